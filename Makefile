@@ -1,0 +1,58 @@
+# OpenTinker: `make demo` starts the whole service on embedded defaults and runs a demo job;
+# `make test` runs the test suite (embedded defaults, then PostgreSQL + Redis when they answer).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PG_URL ?= postgres://postgres@127.0.0.1:5432/test
+REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
+
+.PHONY: demo serve test test-embedded test-services install model datasets bench lint clean
+
+demo: install
+	$(PY) manage.py demo
+
+serve: install
+	$(PY) manage.py serve
+
+install: $(STAMP)
+
+# torch is pinned and installed first so that pip takes the CPU build from local disk.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+model: install
+	$(PY) scripts/build_tiny_model.py
+
+datasets: install
+	$(PY) scripts/build_datasets.py
+
+test: install
+	$(MAKE) test-embedded
+	$(MAKE) test-services
+
+test-embedded:
+	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q
+
+# The same suite against real PostgreSQL and Redis, when this machine has them.
+test-services:
+	@if $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"; then \
+		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" $(PY) -m pytest -q; \
+	else \
+		echo "PostgreSQL or Redis not reachable: skipped the run against real services"; \
+	fi
+
+bench: install
+	$(PY) bench/control_plane.py
+	$(PY) bench/engine.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) var

@@ -1,0 +1,1 @@
+"""Users, teams, memberships, API keys and quotas."""

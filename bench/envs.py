@@ -1,0 +1,143 @@
+"""Episodes per second: environments stepped inline vs through a Celery env worker.
+
+    .venv/bin/python bench/envs.py [--groups 20] [--group-size 8]
+
+Starts one real env worker (`celery worker -Q env`, prefork, 1 process) on the configured Redis
+(the embedded Valkey by default), plays the same groups with the same scripted policy both ways
+and prints episodes/s for each path and the worker path's time as a ratio to inline. The policy
+is a trivial function, so the numbers are the environments' own cost plus, on the queue path,
+one task round trip per turn of a group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def scripted(env: str):
+    from environments.rollouts import PolicyInput
+
+    def policy(inp: PolicyInput) -> str:
+        text = inp.messages[-1]["content"]
+        if env == "bandit":
+            return "\\boxed{1}"
+        if env == "math":
+            return "\\boxed{42}"
+        if env == "math_code":
+            if text.startswith("Output:"):
+                value = text.split("\n", 1)[1].strip()
+                return f"\\boxed{{{value}}}"
+            return "```python\nprint(20 + 22)\n```"
+        rows = [line.split()[1:] for line in text.splitlines() if line[:1].isdigit()]
+        empty = [(r, c) for r, row in enumerate(rows) for c, v in enumerate(row) if v == "."]
+        r, c = empty[len(empty) // 2]
+        return f"\\boxed{{{r},{c}}}"
+
+    return policy
+
+
+def start_worker(redis_url: str) -> tuple[subprocess.Popen, Path]:
+    log_path = Path(tempfile.mkdtemp(prefix="bench-envs-")) / "worker.log"
+    env = dict(os.environ, REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "opentinker_site",
+        "worker",
+        "--queues=env",
+        "--include=environments.tasks",
+        "--concurrency=1",
+        "--pool=prefork",
+        f"--hostname=bench-{uuid.uuid4().hex[:6]}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel=WARNING",
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    from opentinker_site.celery import app
+
+    deadline = time.monotonic() + 60
+    while not app.control.ping(timeout=0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"env worker did not start:\n{log_path.read_text(errors='replace')}")
+    return proc, log_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=20)
+    parser.add_argument("--group-size", type=int, default=8)
+    args = parser.parse_args()
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "opentinker_site.settings.local")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    from environments.registry import build_group, group_specs
+    from environments.remote import run_group_remote
+    from environments.rollouts import run_group
+
+    proc, _ = start_worker(str(settings.REDIS_URL))
+    rows = [{"question": "What is 20+22?", "answer": "42"}]
+    plan = {
+        "bandit": args.groups,
+        "math": args.groups,
+        "gomoku": max(1, args.groups // 4),
+        # Every episode runs the sandbox once (~0.1 s), so fewer groups keep the run short.
+        "math_code": max(1, args.groups // 10),
+    }
+    print(
+        f"{'env':<10} {'episodes':>8} {'inline ep/s':>12} {'queue ep/s':>11} "
+        f"{'queue/inline time':>18}"
+    )
+    try:
+        for env, n_groups in plan.items():
+            specs = group_specs(
+                env,
+                rows=rows if env.startswith("math") else None,
+                n_groups=n_groups,
+                group_size=args.group_size,
+                seed=1,
+            )
+            policy = scripted(env)
+            run_group_remote(policy, specs[0])  # warm-up: imports and connections
+            t0 = time.perf_counter()
+            inline = [run_group(policy, build_group(s)) for s in specs]
+            t_inline = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            remote = [run_group_remote(policy, s) for s in specs]
+            t_remote = time.perf_counter() - t0
+            n = sum(len(g) for g in inline)
+            same = all(
+                a.rewards_per_turn == b.rewards_per_turn
+                for ga, gb in zip(inline, remote)
+                for a, b in zip(ga, gb)
+            )
+            print(
+                f"{env:<10} {n:>8} {n / t_inline:>12.1f} {n / t_remote:>11.1f} "
+                f"{t_remote / t_inline:>17.2f}x{'' if same else '  (REWARDS DIFFER)'}"
+            )
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The built-in environments; each module registers itself in environments.registry."""

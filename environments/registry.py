@@ -1,0 +1,304 @@
+"""The environment registry: each environment's 2x2 cell, dataset schema and builder factory.
+
+`check_contract(env_name, dataset)` is what job submission calls: a dataset environment needs a
+dataset, a generator environment refuses one. `make_group_builders` turns (env, config, rows)
+into the picklable group builders a runner or an env worker steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from environments.datasets import Column, DatasetSchema
+from environments.types import DataSource, GroupBuilder, Interaction
+
+
+class ContractError(ValueError):
+    """A job's environment settings break a registry rule. `field` names the offending key."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(reason)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"field": self.field, "reason": self.reason}
+
+
+GroupFactory = Callable[..., GroupBuilder]
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    name: str
+    data_source: DataSource
+    interaction: Interaction
+    description: str
+    config_cls: type
+    factory: GroupFactory
+    """factory(config, *, row, seed, group_size) -> GroupBuilder (row is None for generators)."""
+    schema: DatasetSchema | None = None
+
+    @property
+    def cell(self) -> tuple[str, str]:
+        return self.data_source.value, self.interaction.value
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "data_source": self.data_source.value,
+            "interaction": self.interaction.value,
+            "description": self.description,
+            "dataset_schema": self.schema.describe() if self.schema else None,
+            "config": {
+                f.name: _jsonable(f.default)
+                for f in dataclasses.fields(self.config_cls)
+                if f.default is not dataclasses.MISSING
+            },
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+
+
+def register(spec: EnvSpec) -> EnvSpec:
+    if (spec.data_source is DataSource.DATASET) != (spec.schema is not None):
+        raise ValueError(f"env {spec.name!r}: dataset environments need a schema, generators none")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def env_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_env(name: str) -> EnvSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ContractError(
+            "env", f"unknown environment {name!r}; known: {', '.join(env_names())}"
+        ) from None
+
+
+def _given(dataset: Any) -> bool:
+    if dataset is None:
+        return False
+    if isinstance(dataset, str):
+        return bool(dataset.strip())
+    if isinstance(dataset, (list, tuple, dict)):
+        return len(dataset) > 0
+    return True
+
+
+def check_contract(env_name: str, dataset: Any = None) -> None:
+    """Raise ContractError when `dataset` does not fit the environment's data source."""
+    spec = get_env(env_name)
+    if spec.data_source is DataSource.GENERATOR and _given(dataset):
+        raise ContractError(
+            "dataset", f"env {env_name!r} is a generator environment and takes no dataset"
+        )
+    if spec.data_source is DataSource.DATASET and not _given(dataset):
+        raise ContractError("dataset", f"env {env_name!r} reads a dataset: give `dataset`")
+
+
+def make_config(env_name: str, config: dict[str, Any] | None = None) -> Any:
+    """Build the env's config dataclass from JSON, naming any unknown or bad key."""
+    spec = get_env(env_name)
+    config = dict(config or {})
+    known = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ContractError(
+            f"env_config.{unknown[0]}",
+            f"unknown setting for env {env_name!r}; known: {', '.join(sorted(known))}",
+        )
+    try:
+        return spec.config_cls(**config)
+    except (TypeError, ValueError) as exc:
+        raise ContractError("env_config", str(exc)) from exc
+
+
+def group_specs(
+    env_name: str,
+    *,
+    config: dict[str, Any] | None = None,
+    rows: list[dict[str, Any]] | None = None,
+    n_groups: int,
+    group_size: int,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """JSON descriptions of `n_groups` groups, reproducible from `seed`.
+
+    A spec is {"env", "config", "row", "seed", "group_size"}: everything needed to rebuild the
+    group anywhere (an env worker gets specs, never pickles). Dataset rows are drawn without
+    replacement in a seeded order; generator groups get distinct seeds.
+    """
+    spec = get_env(env_name)
+    check_contract(env_name, rows)
+    make_config(env_name, config)
+    if n_groups < 1 or group_size < 1:
+        raise ContractError("group_size", "n_groups and group_size must be >= 1")
+    if spec.data_source is DataSource.DATASET:
+        assert rows is not None
+        picked: list[dict[str, Any] | None] = list(_pick_rows(rows, n_groups, seed))
+    else:
+        picked = [None] * n_groups
+    return [
+        {
+            "env": env_name,
+            "config": dict(config or {}),
+            "row": row,
+            "seed": seed * 100_003 + i,
+            "group_size": group_size,
+        }
+        for i, row in enumerate(picked)
+    ]
+
+
+def build_group(group_spec: dict[str, Any]) -> GroupBuilder:
+    """The group builder for one spec from `group_specs`."""
+    try:
+        env_name = group_spec["env"]
+        group_size = int(group_spec["group_size"])
+        seed = int(group_spec["seed"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ContractError("group", f"malformed group spec: {exc!r}") from exc
+    spec = get_env(env_name)
+    row = group_spec.get("row")
+    if (spec.data_source is DataSource.DATASET) != (row is not None):
+        raise ContractError(
+            "group.row",
+            f"env {env_name!r} is a {spec.data_source.value} "
+            "environment: a group needs a row exactly when it reads a dataset",
+        )
+    config = make_config(env_name, group_spec.get("config"))
+    try:
+        return spec.factory(config, row=row, seed=seed, group_size=group_size)
+    except ValueError as exc:
+        raise ContractError("group_size", str(exc)) from exc
+
+
+def make_group_builders(
+    env_name: str,
+    *,
+    config: dict[str, Any] | None = None,
+    rows: list[dict[str, Any]] | None = None,
+    n_groups: int,
+    group_size: int,
+    seed: int = 0,
+) -> list[GroupBuilder]:
+    """`n_groups` builders of `group_size` episodes each, reproducible from `seed`."""
+    return [
+        build_group(s)
+        for s in group_specs(
+            env_name, config=config, rows=rows, n_groups=n_groups, group_size=group_size, seed=seed
+        )
+    ]
+
+
+def _pick_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    return [rows[order[i % len(order)]] for i in range(n)]
+
+
+def _register_builtins() -> None:
+    from environments.envs.bandit import BanditConfig, BanditGroupBuilder
+    from environments.envs.gomoku import (
+        GomokuConfig,
+        GomokuGroupBuilder,
+        GomokuSelfPlayGroupBuilder,
+    )
+    from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
+    from environments.envs.math_env import MathConfig, MathGroupBuilder
+
+    qa_schema = DatasetSchema(
+        (
+            Column("question", (str,), description="the problem shown to the model"),
+            Column(
+                "answer", (str, int, float), description="ground truth, compared for equivalence"
+            ),
+        )
+    )
+
+    def math_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        return MathGroupBuilder(str(row["question"]), str(row["answer"]), group_size, config)
+
+    def math_code_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        return MathCodeGroupBuilder(str(row["question"]), str(row["answer"]), group_size, config)
+
+    def bandit_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        return BanditGroupBuilder(config, seed, group_size)
+
+    def gomoku_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        return GomokuGroupBuilder(config, seed, group_size)
+
+    def gomoku_selfplay_factory(
+        config: Any, *, row: Any, seed: int, group_size: int
+    ) -> GroupBuilder:
+        return GomokuSelfPlayGroupBuilder(config, seed, group_size)
+
+    register(
+        EnvSpec(
+            "math",
+            DataSource.DATASET,
+            Interaction.SINGLE_TURN,
+            "Answer a problem; reward 1 if the final answer is equivalent to the truth.",
+            MathConfig,
+            math_factory,
+            qa_schema,
+        )
+    )
+    register(
+        EnvSpec(
+            "math_code",
+            DataSource.DATASET,
+            Interaction.MULTI_TURN,
+            "Solve a problem, optionally running Python in the sandbox between turns.",
+            MathCodeConfig,
+            math_code_factory,
+            qa_schema,
+        )
+    )
+    register(
+        EnvSpec(
+            "bandit",
+            DataSource.GENERATOR,
+            Interaction.SINGLE_TURN,
+            "Pick an arm of a K-armed bandit with hidden means; reward is the payoff.",
+            BanditConfig,
+            bandit_factory,
+        )
+    )
+    register(
+        EnvSpec(
+            "gomoku",
+            DataSource.GENERATOR,
+            Interaction.MULTI_TURN,
+            "k-in-a-row on a small board against a built-in heuristic opponent.",
+            GomokuConfig,
+            gomoku_factory,
+        )
+    )
+    register(
+        EnvSpec(
+            "gomoku_selfplay",
+            DataSource.GENERATOR,
+            Interaction.MULTI_TURN,
+            "Gomoku where two episodes of the group play each other.",
+            GomokuConfig,
+            gomoku_selfplay_factory,
+        )
+    )
+
+
+_register_builtins()

@@ -1,0 +1,1 @@
+"""Job records, the job state machine and its services, the jobs API."""

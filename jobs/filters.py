@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import django_filters
+
+from .models import Dataset, DatasetFormat, Job, JobKind, JobState
+
+
+class JobFilter(django_filters.FilterSet):
+    state = django_filters.MultipleChoiceFilter(choices=JobState.choices)
+    kind = django_filters.ChoiceFilter(choices=JobKind.choices)
+    name = django_filters.CharFilter(lookup_expr="icontains")
+    creator = django_filters.CharFilter(
+        field_name="created_by__username", help_text="Username of the job's creator."
+    )
+
+    class Meta:
+        model = Job
+        fields = ["state", "kind", "name", "creator"]
+
+
+class DatasetFilter(django_filters.FilterSet):
+    env = django_filters.CharFilter()
+    format = django_filters.ChoiceFilter(choices=DatasetFormat.choices)
+    name = django_filters.CharFilter(lookup_expr="icontains")
+
+    class Meta:
+        model = Dataset
+        fields = ["env", "format", "name"]

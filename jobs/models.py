@@ -1,0 +1,201 @@
+"""Jobs, their events and metrics.
+
+Rows here are changed only through ``jobs.services``: every state change is a conditional
+UPDATE there, so the model has no state-changing methods.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from django.conf import settings
+from django.db import models
+
+
+class JobState(models.TextChoices):
+    QUEUED = "QUEUED", "Queued"
+    STARTING = "STARTING", "Starting"
+    RUNNING = "RUNNING", "Running"
+    SUCCEEDED = "SUCCEEDED", "Succeeded"
+    FAILED = "FAILED", "Failed"
+    CANCELLED = "CANCELLED", "Cancelled"
+
+
+FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+# States in which a job holds GPUs (a lease in the lock table).
+ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING})
+
+
+class JobKind(models.TextChoices):
+    TRAIN = "train", "Train"
+    EVAL = "eval", "Eval"
+
+
+class Job(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="jobs")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="jobs",
+    )
+    name = models.CharField(max_length=200)
+    kind = models.CharField(max_length=16, choices=JobKind.choices, default=JobKind.TRAIN)
+    spec = models.JSONField(help_text="The validated JobSpec, normalised (defaults filled in).")
+    spec_version = models.PositiveSmallIntegerField()
+    state = models.CharField(
+        max_length=16, choices=JobState.choices, default=JobState.QUEUED, db_index=True
+    )
+    priority = models.SmallIntegerField(default=50)
+    gpus_requested = models.PositiveSmallIntegerField(default=1)
+    gpus_held = models.JSONField(default=list, blank=True, help_text='["node:index", ...]')
+    node = models.CharField(max_length=200, blank=True, default="")
+    attempt = models.PositiveIntegerField(default=1)
+    celery_task_id = models.CharField(max_length=255, blank=True, default="")
+    cancel_requested = models.BooleanField(default=False)
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+    started = models.DateTimeField(null=True, blank=True, help_text="Start of the current attempt.")
+    finished = models.DateTimeField(null=True, blank=True)
+    heartbeat = models.DateTimeField(null=True, blank=True)
+    current_step = models.PositiveIntegerField(default=0)
+    gpu_seconds = models.FloatField(default=0.0, help_text="GPU time of finished attempts.")
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["team", "state"], name="job_team_state"),
+            # The dispatcher's scan: queued jobs by priority, then age.
+            models.Index(fields=["state", "-priority", "created"], name="job_dispatch_order"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.pk})"
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+class JobEvent(models.Model):
+    class Kind(models.TextChoices):
+        STATE = "state", "State change"
+        CANCEL_REQUESTED = "cancel_requested", "Cancel requested"
+        LOG = "log", "Log"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=32)
+    from_state = models.CharField(max_length=16, blank=True, default="")
+    to_state = models.CharField(max_length=16, blank=True, default="")
+    message = models.TextField(blank=True, default="")
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["created", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} {self.kind} {self.from_state}->{self.to_state}"
+
+
+class JobMetric(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    step = models.PositiveIntegerField()
+    name = models.CharField(max_length=100)
+    value = models.FloatField()
+
+    class Meta:
+        constraints = [
+            # A resumed run re-logs steps after its checkpoint; it overwrites, never duplicates.
+            models.UniqueConstraint(fields=["job", "step", "name"], name="jobmetric_job_step_name")
+        ]
+        indexes = [models.Index(fields=["job", "name", "step"], name="jobmetric_series")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} {self.name}@{self.step}={self.value}"
+
+
+class DatasetFormat(models.TextChoices):
+    JSONL = "jsonl", "JSON Lines"
+    PARQUET = "parquet", "Parquet"
+
+
+class Dataset(models.Model):
+    """A team's uploaded dataset, validated for one environment's schema at upload.
+
+    The file lives at ``OPENTINKER_DATA_DIR / path`` (``datasets/<team id>/<id>.<format>``);
+    ``path`` is relative so the data directory can move. Rows are created and deleted only
+    through ``jobs.datasets`` (which writes and removes the file with them).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="datasets")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="datasets",
+    )
+    name = models.CharField(max_length=200)
+    env = models.CharField(max_length=200, help_text="Environment whose schema the file passed.")
+    format = models.CharField(max_length=16, choices=DatasetFormat.choices)
+    path = models.CharField(max_length=500, help_text="Relative to OPENTINKER_DATA_DIR.")
+    rows = models.PositiveIntegerField()
+    columns = models.JSONField(default=list, blank=True)
+    sha256 = models.CharField(max_length=64)
+    size_bytes = models.PositiveBigIntegerField()
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "name"], name="dataset_team_name_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.team_id}/{self.pk})"
+
+    @property
+    def ref(self) -> str:
+        """The canonical reference a job spec stores: immune to renames and name reuse."""
+        return f"dataset:{self.pk}"
+
+    def file_path(self) -> Path:
+        return Path(settings.OPENTINKER_DATA_DIR) / self.path
+
+
+class BaseModelQuerySet(models.QuerySet["BaseModel"]):
+    def enabled(self) -> BaseModelQuerySet:
+        return self.filter(enabled=True)
+
+
+class BaseModel(models.Model):
+    """A base model jobs may train on, managed by administrators in the admin."""
+
+    name = models.SlugField(max_length=100, unique=True, help_text="What a JobSpec names.")
+    path = models.CharField(
+        max_length=500,
+        help_text="Model directory; a relative path is resolved against the project root.",
+    )
+    max_lora_rank = models.PositiveIntegerField(default=64)
+    max_context = models.PositiveIntegerField(default=1024, help_text="Tokens.")
+    enabled = models.BooleanField(default=True)
+    description = models.TextField(blank=True, default="")
+    created = models.DateTimeField(auto_now_add=True)
+
+    objects = BaseModelQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "base model"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def resolved_path(self) -> Path:
+        """The model directory on this host (resolved at call time, never stored absolute)."""
+        path = Path(self.path).expanduser()
+        return path if path.is_absolute() else Path(settings.BASE_DIR) / path

@@ -1,0 +1,137 @@
+"""Serializers validate input and shape output; transitions live in ``jobs.services``."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from .models import BaseModel, Dataset, DatasetFormat, Job, JobEvent, JobKind
+
+
+class JobSerializer(serializers.ModelSerializer):
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "team",
+            "created_by",
+            "name",
+            "kind",
+            "spec",
+            "spec_version",
+            "state",
+            "priority",
+            "gpus_requested",
+            "gpus_held",
+            "node",
+            "attempt",
+            "cancel_requested",
+            "created",
+            "started",
+            "finished",
+            "heartbeat",
+            "current_step",
+            "gpu_seconds",
+            "error_code",
+            "error_message",
+        ]
+        read_only_fields = fields
+
+
+class JobCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    kind = serializers.ChoiceField(choices=JobKind.choices, default=JobKind.TRAIN)
+    spec = serializers.JSONField(help_text="A JobSpec (see jobs/spec.py); validated server-side.")
+    team = serializers.SlugField(
+        required=False, help_text="Team slug; needed only when you belong to several teams."
+    )
+
+    def validate_spec(self, value: object) -> object:
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON object.")
+        return value
+
+
+class JobEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobEvent
+        fields = ["id", "created", "kind", "from_state", "to_state", "message", "data"]
+        read_only_fields = fields
+
+
+class MetricSeriesSerializer(serializers.Serializer):
+    series = serializers.DictField(
+        child=serializers.ListField(child=serializers.ListField(child=serializers.FloatField())),
+        help_text='{"reward/mean": [[step, value], ...]}, ordered by step.',
+    )
+
+
+class QuotaLimitsSerializer(serializers.Serializer):
+    max_gpus = serializers.IntegerField()
+    max_queued_jobs = serializers.IntegerField()
+    gpu_hours_per_month = serializers.FloatField()
+
+
+class QuotaUsageSerializer(serializers.Serializer):
+    gpus_in_use = serializers.IntegerField()
+    queued_jobs = serializers.IntegerField()
+    gpu_hours_this_month = serializers.FloatField()
+
+
+class QuotaSerializer(serializers.Serializer):
+    team = serializers.SlugField()
+    limits = QuotaLimitsSerializer()
+    usage = QuotaUsageSerializer()
+
+
+class DatasetSerializer(serializers.ModelSerializer):
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    ref = serializers.CharField(
+        read_only=True, help_text="What a submitted job's spec stores: 'dataset:<id>'."
+    )
+
+    class Meta:
+        model = Dataset
+        fields = [
+            "id",
+            "ref",
+            "team",
+            "created_by",
+            "name",
+            "env",
+            "format",
+            "rows",
+            "columns",
+            "sha256",
+            "size_bytes",
+            "created",
+        ]
+        read_only_fields = fields
+
+
+class DatasetUploadSerializer(serializers.Serializer):
+    """Presence and shape only; ``jobs.datasets.store_dataset`` validates the content."""
+
+    file = serializers.FileField(help_text="A .jsonl or .parquet file.")
+    name = serializers.CharField(max_length=200, help_text="Unique within the team.")
+    env = serializers.CharField(
+        max_length=200, help_text="The environment whose dataset schema the file must follow."
+    )
+    format = serializers.ChoiceField(
+        choices=DatasetFormat.choices,
+        required=False,
+        help_text="Overrides the format guessed from the file name's extension.",
+    )
+    team = serializers.SlugField(
+        required=False, help_text="Team slug; needed only when you belong to several teams."
+    )
+
+
+class BaseModelSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = BaseModel
+        fields = ["name", "max_lora_rank", "max_context", "description"]
+        read_only_fields = fields

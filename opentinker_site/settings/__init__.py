@@ -1,0 +1,1 @@
+"""Settings modules: base (shared, reads the environment), local, production, test."""

@@ -1,0 +1,253 @@
+"""Settings shared by every environment.
+
+The environment is read here and only here (django-environ). Bad values raise
+``ImproperlyConfigured`` at start-up rather than deep inside a request. Secrets may be given
+directly (``NAME``) or as a path to a file holding them (``NAME_FILE``, for Docker secrets).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent.parent
+
+env = environ.Env()
+if (BASE_DIR / ".env").is_file():
+    environ.Env.read_env(BASE_DIR / ".env")
+
+
+def read_secret(name: str, default: str | None = None, *, min_length: int = 1) -> str:
+    """Read ``name`` from the environment, or the file named by ``name_FILE``.
+
+    Without a default a missing value is a configuration error: production passes no default
+    so a forgotten secret stops the process at start instead of running with a known key.
+    """
+    file_var = f"{name}_FILE"
+    if name in os.environ and file_var in os.environ:
+        raise ImproperlyConfigured(f"Set only one of {name} and {file_var}.")
+    value: str | None
+    if file_var in os.environ:
+        path = Path(os.environ[file_var])
+        try:
+            value = path.read_text().strip()
+        except OSError as exc:
+            raise ImproperlyConfigured(f"{file_var}: cannot read {path}: {exc}") from exc
+    else:
+        value = os.environ.get(name, default)
+    if value is None:
+        raise ImproperlyConfigured(f"{name} (or {file_var}) must be set.")
+    if len(value) < min_length:
+        raise ImproperlyConfigured(f"{name} must be at least {min_length} characters long.")
+    return value
+
+
+def read_int(name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
+    """Read a bounded integer; a typo such as ``30s`` fails at start with the variable named."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        value = default
+    else:
+        try:
+            value = int(raw)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}.") from exc
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ImproperlyConfigured(f"{name} must be {bounds}, got {value}.")
+    return value
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def read_bool(name: str, default: bool) -> bool:
+    """Read a boolean; anything but the usual spellings is an error, not a silent False."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (true/false), got {raw!r}.")
+
+
+# --- Core -----------------------------------------------------------------------------------
+
+# Overridden with a required value in production.py; this one only serves development.
+SECRET_KEY = read_secret("SECRET_KEY", "django-insecure-opentinker-development-only-key")
+DEBUG = read_bool("DEBUG", False)
+ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+
+OPENTINKER_DATA_DIR = Path(env.str("OPENTINKER_DATA_DIR", default=str(BASE_DIR / "var")))
+try:
+    OPENTINKER_DATA_DIR.mkdir(parents=True, exist_ok=True)
+except OSError as exc:
+    raise ImproperlyConfigured(f"OPENTINKER_DATA_DIR {OPENTINKER_DATA_DIR}: {exc}") from exc
+
+_SUPPORTED_DB_ENGINES = {"django.db.backends.sqlite3", "django.db.backends.postgresql"}
+_db_url = env.str("DATABASE_URL", default=f"sqlite:///{OPENTINKER_DATA_DIR / 'db.sqlite3'}")
+try:
+    _db = environ.Env.db_url_config(_db_url)
+except (ValueError, KeyError, ImproperlyConfigured) as exc:
+    raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from exc
+if _db.get("ENGINE") not in _SUPPORTED_DB_ENGINES:
+    raise ImproperlyConfigured(
+        "DATABASE_URL must be a sqlite:/// or postgres:// URL "
+        f"(got engine {_db.get('ENGINE') or 'none'!r})."
+    )
+DATABASES = {"default": _db}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Web process, Celery workers and tests share the file. Wait for locks instead of failing,
+    # and take the write lock when a transaction begins: with SQLite's default (deferred) a
+    # transaction that reads and then writes fails at once with "database is locked" when
+    # another one got there first, and a read-then-insert quota check could admit too many.
+    _sqlite_options = DATABASES["default"].setdefault("OPTIONS", {})
+    _sqlite_options.setdefault("timeout", 20)
+    _sqlite_options.setdefault("transaction_mode", "IMMEDIATE")
+
+# Unset means "start the embedded Valkey" in local.py / test.py; production requires it.
+REDIS_URL: str | None = env.str("REDIS_URL", default=None) or None
+if REDIS_URL is not None and not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+    raise ImproperlyConfigured(f"REDIS_URL must be a redis:// URL, got {REDIS_URL!r}.")
+
+# --- OpenTinker -----------------------------------------------------------------------------
+
+# HMAC key for API key hashes. Changing it invalidates every issued key.
+OPENTINKER_KEY_HMAC_SECRET = read_secret(
+    "OPENTINKER_KEY_HMAC_SECRET",
+    "opentinker-development-only-hmac-secret-do-not-use",
+    min_length=32,
+)
+OPENTINKER_KEY_ROTATION_GRACE_HOURS = read_int(
+    "OPENTINKER_KEY_ROTATION_GRACE_HOURS", 24, minimum=0, maximum=24 * 365
+)
+# The one knob from which lease TTL, heartbeat interval and broker timeouts are derived.
+OPENTINKER_JOB_LEASE_SECONDS = read_int("OPENTINKER_JOB_LEASE_SECONDS", 30, minimum=3)
+OPENTINKER_MAX_ATTEMPTS = read_int("OPENTINKER_MAX_ATTEMPTS", 3, minimum=1, maximum=100)
+# Largest dataset file an upload may store (bytes); bigger uploads are refused with 413.
+OPENTINKER_MAX_DATASET_BYTES = read_int(
+    "OPENTINKER_MAX_DATASET_BYTES", 50 * 1024 * 1024, minimum=1
+)
+
+# --- Django ---------------------------------------------------------------------------------
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "accounts",
+    "jobs",
+    "workers",
+    "environments",
+]
+
+# The sidecar ships Swagger UI and Redoc inside the wheel, so /api/docs/ works without a CDN.
+SPECTACULAR_SIDECAR = importlib.util.find_spec("drf_spectacular_sidecar") is not None
+if SPECTACULAR_SIDECAR:
+    INSTALLED_APPS.append("drf_spectacular_sidecar")
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    # Serves collected static files under gunicorn, so production needs no separate server.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "opentinker_site.urls"
+WSGI_APPLICATION = "opentinker_site.wsgi.application"
+ASGI_APPLICATION = "opentinker_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = OPENTINKER_DATA_DIR / "static"
+STATICFILES_DIRS = [p for p in [BASE_DIR / "static"] if p.is_dir()]
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LOGIN_URL = "/admin/login/"
+
+# --- API ------------------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        # First class decides the 401 challenge header: clients are told to send a Bearer key.
+        "accounts.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "accounts.pagination.CreatedCursorPagination",
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "OpenTinker API",
+    "DESCRIPTION": "Self-hosted reinforcement-learning post-training as a service.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+if SPECTACULAR_SIDECAR:
+    SPECTACULAR_SETTINGS.update(
+        SWAGGER_UI_DIST="SIDECAR",
+        SWAGGER_UI_FAVICON_HREF="SIDECAR",
+        REDOC_DIST="SIDECAR",
+    )
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,27 @@
+"""Root URLs: admin, API v1, OpenAPI schema and docs, health check."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.db import connection
+from django.http import HttpRequest, JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+
+def healthz(request: HttpRequest) -> JsonResponse:
+    """Liveness plus a database round trip, for load balancers and docker-compose."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    return JsonResponse({"status": "ok"})
+
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/v1/", include("opentinker_site.api")),
+    path("api/auth/", include("rest_framework.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("healthz", healthz, name="healthz"),
+]

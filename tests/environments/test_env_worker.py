@@ -1,0 +1,135 @@
+"""A real Celery env worker on real Valkey steps batches of episodes of every environment.
+
+The worker is started here with `--include environments.tasks` and only the `env` queue, so
+this test needs neither the database nor `environments` in INSTALLED_APPS.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from environments.registry import group_specs
+from environments.renderer import Renderer
+from environments.rollouts import PolicyInput, run_group
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    import redis
+
+    redis.Redis.from_url(redis_url).delete("env")
+    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
+    name = f"envtest-{uuid.uuid4().hex[:8]}"
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="opentinker_site.settings.test",
+        REDIS_URL=redis_url,
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "opentinker_site",
+        "worker",
+        "--queues=env",
+        "--include=environments.tasks",
+        "--concurrency=1",
+        "--pool=prefork",
+        f"--hostname={name}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel=INFO",
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + 60
+    while " ready." not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"env worker did not start:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.2)
+    yield name
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _scripted(env: str):
+    """A deterministic policy per env: some right, some wrong, some multi-turn."""
+
+    def policy(inp: PolicyInput) -> str:
+        text = inp.messages[-1]["content"]
+        if env == "bandit":
+            return f"\\boxed{{{len(inp.tokens) % 3}}}"
+        if env == "math":
+            return "\\boxed{7}"
+        if env == "math_code":
+            if text.startswith("Output:"):
+                value = text.split("\n", 1)[1].strip()
+                return f"\\boxed{{{value}}}"
+            return "```python\nprint(20 + 22)\n```"
+        rows = [line.split()[1:] for line in text.splitlines() if line[:1].isdigit()]
+        empty = [(r, c) for r, row in enumerate(rows) for c, v in enumerate(row) if v == "."]
+        r, c = empty[0]
+        return f"\\boxed{{{r},{c}}}"
+
+    return policy
+
+
+@pytest.mark.parametrize("env", ["math", "math_code", "bandit", "gomoku"])
+def test_it_steps_a_batch_of_each_env_through_the_queue_like_inline(
+    env: str, env_worker: str, renderer: Renderer
+) -> None:
+    from environments.registry import build_group
+    from environments.remote import run_group_remote
+
+    rows = None
+    if env in ("math", "math_code"):
+        rows = [
+            {"question": "What is 20+22?", "answer": "42"},
+            {"question": "What is 3+4?", "answer": "7"},
+        ]
+    specs = group_specs(env, rows=rows, n_groups=2, group_size=3, seed=5)
+    for spec in specs:
+        remote = run_group_remote(_scripted(env), spec, renderer, timeout=60)
+        inline = run_group(_scripted(env), build_group(spec), renderer)
+        assert len(remote) == 3
+        for r, i in zip(remote, inline):
+            assert r.error is None, r.error
+            assert r.tokens() == i.tokens() and r.mask() == i.mask()
+            assert r.rewards_per_turn == i.rewards_per_turn
+    if env == "math_code":
+        assert [len(t.turns) for t in remote] == [2, 2, 2]
+        assert remote[0].turns[1].observation_messages[0]["content"] == "Output:\n42"
+    if env == "gomoku":
+        assert all(len(t.turns) > 2 for t in remote)
+
+
+def test_it_reports_contract_errors_from_the_worker(env_worker: str) -> None:
+    from environments.remote import RemoteEnvError, run_group_remote
+
+    spec = group_specs("gomoku_selfplay", n_groups=1, group_size=2)[0]
+    with pytest.raises(RemoteEnvError, match="runs inline only"):
+        run_group_remote(lambda inp: "x", spec, timeout=30)
+    from environments.tasks import ENV_QUEUE, step_group
+
+    reply = step_group.apply_async(args=["nope", ["a"]], queue=ENV_QUEUE).get(timeout=30)
+    assert reply["error"]["field"] == "session"

@@ -1,0 +1,575 @@
+"""The wire format against the real tinker SDK: its classes build and send the requests we
+decode, and its converters parse the responses we encode."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "tinker",
+    reason="the tinker SDK (a test dependency) is not installed; `pip install tinker==0.38.0`",
+)
+
+import torch
+import zstandard
+from google.protobuf import descriptor_pb2
+from tinker import types
+from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+from tinker.lib.public_interfaces.sampling_client import _attach_sequence_ids
+from tinker.proto import request_conv, response_conv, tinker_public_pb2
+from tinker.types._pydantic_types.forward_backward_input import (
+    ForwardBackwardInput as JsonForwardBackwardInput,
+)
+from tinker.types.try_again_response import TryAgainResponse
+
+from tests.tinker_api._sdk import SdkWire
+from tinker_api import _proto, wire
+from tinker_api import schemas as s
+
+torch.set_num_threads(1)
+
+
+def send_forward_backward(
+    data: list[types.Datum],
+    loss_fn: str = "cross_entropy",
+    loss_fn_config: dict[str, float | str] | None = None,
+    *,
+    compress: bool = False,
+    forward_only: bool = False,
+    seq_id: int = 3,
+) -> SdkWire:
+    """Have the SDK's training resource send a forward_backward; return what it sent."""
+    sdk = SdkWire()
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config
+        ),
+        model_id="sess-1:train:0",
+        seq_id=seq_id,
+    )
+    sdk.call(
+        lambda c: c.training.forward_backward(request=request, forward_only=forward_only),
+        proto_compress_fwdbwd=compress,
+    )
+    return sdk
+
+
+def decode_sent(sdk: SdkWire, **kwargs: object) -> wire.ForwardBackwardBatch:
+    req = sdk.last
+    return wire.decode_forward_backward(
+        req.content,
+        content_type=req.headers.get("content-type"),
+        content_encoding=req.headers.get("content-encoding"),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def _normalized(fdp: descriptor_pb2.FileDescriptorProto) -> dict[str, object]:
+    prefix = f".{fdp.package}."
+    out: dict[str, object] = {}
+
+    def walk(msg: descriptor_pb2.DescriptorProto, scope: str) -> None:
+        out[scope + msg.name] = (
+            msg.options.map_entry,
+            sorted(
+                (
+                    f.number,
+                    f.name,
+                    f.label,
+                    f.type,
+                    f.type_name.replace(prefix, ""),
+                    msg.oneof_decl[f.oneof_index].name if f.HasField("oneof_index") else None,
+                    f.proto3_optional,
+                )
+                for f in msg.field
+            ),
+        )
+        for nested in msg.nested_type:
+            walk(nested, scope + msg.name + ".")
+
+    for msg in fdp.message_type:
+        walk(msg, "")
+    for enum in fdp.enum_type:
+        out["enum " + enum.name] = [(v.name, v.number) for v in enum.value]
+    return out
+
+
+def test_it_declares_the_same_protobuf_schema_as_the_sdk() -> None:
+    sdk_fdp = descriptor_pb2.FileDescriptorProto()
+    tinker_public_pb2.DESCRIPTOR.CopyToProto(sdk_fdp)
+    ours, theirs = _normalized(_proto.FILE_DESCRIPTOR_PROTO), _normalized(sdk_fdp)
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name] == theirs[name], name
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_it_decodes_what_the_sdk_sends_to_forward_backward(compress: bool) -> None:
+    rng = np.random.default_rng(0)
+    advantages = rng.normal(size=5).astype(np.float32)
+    data = [
+        types.Datum(
+            # Two chunks: the decoder joins them.
+            model_input=types.ModelInput(
+                chunks=[
+                    types.EncodedTextChunk(tokens=[11, 12]),
+                    types.EncodedTextChunk(tokens=[13, 14, 2**31 - 1]),
+                ]
+            ),
+            loss_fn_inputs={
+                "target_tokens": [12, 13, 14, 15, 0],
+                "logprobs": torch.tensor([-0.5, -1.25, -2.0, -0.125, -3.0]),
+                "advantages": advantages,
+            },
+        ),
+        types.Datum(
+            model_input=types.ModelInput.from_ints([7, 8]),
+            # Custom losses send weights = -dLoss/dlogprobs, negative ones included.
+            loss_fn_inputs={"target_tokens": [8, 9], "weights": [-1.5, 0.25]},
+        ),
+    ]
+    sdk = send_forward_backward(
+        data,
+        "ppo",
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "note": "x"},
+        compress=compress,
+    )
+
+    assert sdk.last.url.path == "/api/v1/forward_backward"
+    assert sdk.last.headers["content-type"] == wire.PROTOBUF
+    assert sdk.last.headers.get("content-encoding") == ("zstd" if compress else None)
+    batch = decode_sent(sdk)
+
+    assert (batch.model_id, batch.seq_id, batch.loss_fn, batch.forward_only) == (
+        "sess-1:train:0",
+        3,
+        "ppo",
+        False,
+    )
+    assert batch.loss_fn_config == {
+        "clip_low_threshold": pytest.approx(0.8),
+        "clip_high_threshold": pytest.approx(1.2),
+        "note": "x",
+    }
+    first, second = batch.data
+    assert first.tokens == [11, 12, 13, 14, 2**31 - 1]
+    assert first.loss_fn_inputs["target_tokens"].dtype == np.int64
+    assert first.loss_fn_inputs["target_tokens"].tolist() == [12, 13, 14, 15, 0]
+    assert first.loss_fn_inputs["logprobs"].dtype == np.float32
+    assert first.loss_fn_inputs["logprobs"].tolist() == [-0.5, -1.25, -2.0, -0.125, -3.0]
+    np.testing.assert_array_equal(first.loss_fn_inputs["advantages"], advantages)
+    assert second.tokens == [7, 8]
+    assert second.loss_fn_inputs["weights"].tolist() == [-1.5, 0.25]
+    assert second.torch_inputs()["weights"].dtype == torch.float32
+
+
+def test_it_expands_sparse_tensors_as_the_sdk_densifies_them() -> None:
+    # Top-k distillation targets: (positions, k) tensors, mostly padding, which the SDK
+    # sends as CSR.
+    targets = torch.zeros(6, 4, dtype=torch.int64)
+    weights = torch.zeros(6, 4, dtype=torch.float32)
+    targets[0, 1], targets[3, 0], targets[3, 3], targets[5, 2] = 17, 4, 9, 21
+    weights[0, 1], weights[3, 0], weights[3, 3], weights[5, 2] = 0.5, -0.25, 0.75, 1.0
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(100, 106))),
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+    )
+    sent = datum.loss_fn_inputs
+    assert sent["target_tokens"].sparse_crow_indices is not None  # the sparse path is taken
+    assert sent["weights"].sparse_crow_indices is not None
+
+    batch = decode_sent(send_forward_backward([datum], compress=True))
+
+    got = batch.data[0].loss_fn_inputs
+    assert got["target_tokens"].shape == (6, 4)
+    np.testing.assert_array_equal(got["target_tokens"], sent["target_tokens"].to_numpy())
+    np.testing.assert_array_equal(got["weights"], sent["weights"].to_numpy())
+    np.testing.assert_array_equal(got["weights"], weights.numpy())
+
+
+def test_it_reads_forward_only_and_provenance_spans() -> None:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id="seq-a", offset=0, length=2),
+            types.SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=2),
+        ],
+        loss_fn_inputs=[types.SampledProvenanceSpan(sequence_id="seq-a", offset=1, length=4)],
+    )
+    batch = decode_sent(send_forward_backward([datum], forward_only=True, seq_id=9))
+
+    assert batch.forward_only and batch.seq_id == 9
+    assert batch.data[0].model_input_spans == [
+        wire.ProvenanceSpan("prompt", "seq-a", 0, 2),
+        wire.ProvenanceSpan("sampled", "seq-a", 0, 2),
+    ]
+    assert batch.data[0].loss_fn_input_spans == [wire.ProvenanceSpan("sampled", "seq-a", 1, 4)]
+
+
+def test_it_decodes_the_json_form_older_clients_send() -> None:
+    targets = torch.zeros(3, 5, dtype=torch.int64)
+    targets[1, 2] = 42
+    fbi = JsonForwardBackwardInput(
+        data=[
+            {
+                "model_input": types.ModelInput.from_ints([5, 6, 7]),
+                "loss_fn_inputs": {"target_tokens": targets, "weights": [0.0, -2.0, 1.0]},
+            }
+        ],
+        loss_fn="cross_entropy",
+        loss_fn_config={"beta": 0.1},
+    )
+    sparse = fbi.data[0].loss_fn_inputs["target_tokens"]
+    assert sparse.sparse_crow_indices is not None
+    body = {
+        "forward_backward_input": fbi.model_dump(mode="json", exclude_none=True),
+        "model_id": "m-1",
+        "seq_id": 4,
+        "type": "forward_backward",
+    }
+    raw = s.ForwardBackwardRequestJson.model_validate(body).model_dump_json().encode()
+    raw_compressed = zstandard.ZstdCompressor().compress(raw)
+
+    for payload, encoding in ((raw, None), (raw_compressed, "zstd")):
+        batch = wire.decode_forward_backward(
+            payload, content_type="application/json; charset=utf-8", content_encoding=encoding
+        )
+        assert (batch.model_id, batch.seq_id, batch.loss_fn_config) == ("m-1", 4, {"beta": 0.1})
+        datum = batch.data[0]
+        assert datum.tokens == [5, 6, 7]
+        np.testing.assert_array_equal(datum.loss_fn_inputs["target_tokens"], targets.numpy())
+        assert datum.loss_fn_inputs["weights"].tolist() == [0.0, -2.0, 1.0]
+    assert wire.decode_forward_backward(raw, content_type="application/json", forward_only=True)
+
+
+def test_it_refuses_image_chunks_with_a_clear_user_error() -> None:
+    datum = types.Datum(
+        model_input=types.ModelInput(
+            chunks=[
+                types.EncodedTextChunk(tokens=[1, 2]),
+                types.ImageChunk(data=b"\x89PNG....", format="png", expected_tokens=1),
+            ]
+        ),
+        loss_fn_inputs={"target_tokens": [2, 3, 4]},
+    )
+    with pytest.raises(wire.WireError, match="image chunks are not supported") as err:
+        decode_sent(send_forward_backward([datum]))
+    assert err.value.status == 400 and err.value.category == "user"
+
+    prompt = types.ModelInput(
+        chunks=[types.ImageAssetPointerChunk(location="s3://x.png", format="png")]
+    )
+    parsed = s.ModelInputJson.model_validate(prompt.model_dump(mode="json"))
+    with pytest.raises(wire.WireError, match="image_asset_pointer chunks are not supported"):
+        wire.model_input_tokens(parsed)
+
+
+def _one_datum(**inputs: types.TensorData | list[float] | list[int]) -> list[types.Datum]:
+    return [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs=inputs)]
+
+
+@pytest.mark.parametrize(
+    ("data", "loss_fn", "message"),
+    [
+        (_one_datum(target_tokens=[2, 3]), "cross_entropy", "must equal the 3 input tokens"),
+        (
+            _one_datum(target_tokens=[2, 3, 4], advantages=[0.0, math.nan, 1.0]),
+            "importance_sampling",
+            "NaN or infinity",
+        ),
+        (_one_datum(target_tokens=[2, 3, 4]), "dpo", "unknown loss_fn 'dpo'"),
+        (
+            _one_datum(
+                target_tokens=types.TensorData(
+                    data=[5, 6],
+                    dtype="int64",
+                    shape=[3, 2],
+                    sparse_crow_indices=[0, 1, 2, 2],
+                    sparse_col_indices=[0, 7],
+                )
+            ),
+            "cross_entropy",
+            "column index out of range",
+        ),
+        (
+            _one_datum(
+                target_tokens=types.TensorData(
+                    data=[5, 6],
+                    dtype="int64",
+                    shape=[3, 2],
+                    sparse_crow_indices=[0, 2, 1, 2],
+                    sparse_col_indices=[0, 1],
+                )
+            ),
+            "cross_entropy",
+            "must not decrease",
+        ),
+        (
+            [types.Datum(model_input=types.ModelInput.from_ints([]), loss_fn_inputs={})],
+            "cross_entropy",
+            "has no tokens",
+        ),
+    ],
+)
+def test_it_refuses_inconsistent_datums(
+    data: list[types.Datum], loss_fn: str, message: str
+) -> None:
+    with pytest.raises(wire.WireError, match=message):
+        decode_sent(send_forward_backward(data, loss_fn))
+
+
+def _corrupted(edit: object) -> bytes:
+    """A body the SDK could not produce: its proto with one field changed by ``edit``."""
+    msg = request_conv.forward_backward_request_to_proto(
+        types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(
+                data=_one_datum(target_tokens=[2, 3, 4]), loss_fn="cross_entropy"
+            ),
+            model_id="m",
+            seq_id=1,
+        )
+    )
+    edit(msg.data[0])  # type: ignore[operator]
+    return msg.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.loss_fn_inputs["target_tokens"].shape.extend([2]), "does not hold 3 values"),
+        (lambda d: setattr(d.loss_fn_inputs["target_tokens"], "dtype", 0), "unknown dtype"),
+        (lambda d: setattr(d.loss_fn_inputs["target_tokens"], "dense", b"\0" * 7), "multiple"),
+        (
+            lambda d: setattr(d.model_input[0].encoded_text, "tokens", b"\xff\xff\xff\xff"),
+            "must not be negative",
+        ),
+        (lambda d: setattr(d.model_input[0].encoded_text, "tokens", b"\1\0\0"), "whole number"),
+        (lambda d: d.model_input.add().dmel.SetInParent(), "dmel chunks are not supported"),
+    ],
+)
+def test_it_refuses_hand_made_corrupt_protobuf(edit: object, message: str) -> None:
+    with pytest.raises(wire.WireError, match=message):
+        wire.decode_forward_backward(_corrupted(edit), content_type=wire.PROTOBUF)
+
+
+def test_it_refuses_malformed_bodies_with_the_right_status() -> None:
+    sdk = send_forward_backward(_one_datum(target_tokens=[2, 3, 4]))
+    good = sdk.last.content
+
+    with pytest.raises(wire.WireError, match="not a ForwardBackwardRequest protobuf"):
+        wire.decode_forward_backward(b"\xff\xff\xff\x07garbage", content_type=wire.PROTOBUF)
+    with pytest.raises(wire.WireError, match="not a zstd frame|not valid zstd"):
+        wire.decode_forward_backward(good, content_type=wire.PROTOBUF, content_encoding="zstd")
+    with pytest.raises(wire.WireError) as err:
+        wire.decode_forward_backward(good, content_type="text/plain")
+    assert err.value.status == 415
+    with pytest.raises(wire.WireError) as err:
+        wire.decode_forward_backward(good, content_type=wire.PROTOBUF, content_encoding="br")
+    assert err.value.status == 415
+    # A small frame that expands past the limit is refused before it is inflated.
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * 100_000)
+    with pytest.raises(wire.WireError) as err:
+        wire.decode_forward_backward(
+            bomb, content_type=wire.PROTOBUF, content_encoding="zstd", max_decoded_bytes=50_000
+        )
+    assert err.value.status == 413 and len(bomb) < 1000
+    with pytest.raises(wire.WireError, match="invalid forward_backward JSON"):
+        wire.decode_forward_backward(b'{"model_id": "m"}', content_type="application/json")
+    empty = request_conv.forward_backward_request_to_proto(
+        types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[], loss_fn="cross_entropy"),
+            model_id="m",
+            seq_id=1,
+        )
+    ).SerializeToString()
+    with pytest.raises(wire.WireError, match="no data"):
+        wire.decode_forward_backward(empty, content_type=wire.PROTOBUF)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def test_it_encodes_forward_backward_output_the_sdk_parses() -> None:
+    outputs = [
+        {"logprobs": np.array([-0.5, -1.5, -2.25], dtype=np.float64), "ids": np.array([1, 2, 3])},
+        {"logprobs": torch.tensor([-0.75], dtype=torch.bfloat16), "ids": torch.tensor([7])},
+        {"logprobs": [-3.0, -4.0], "ids": [9, 10]},
+    ]
+    metrics = {"loss:sum": 7.5, "tokens:sum": 6.0, "clip_frac:mean": 0.25}
+    body = wire.encode_forward_backward_output(outputs, metrics, protobuf=True)
+    assert body.content_type == "application/x-protobuf"
+
+    out = response_conv.deserialize_proto_response(body.content, types.ForwardBackwardOutput)
+
+    assert isinstance(out, types.ForwardBackwardOutput)
+    assert out.loss_fn_output_type == "ArrayRecord"
+    assert out.metrics == metrics
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [
+        [-0.5, -1.5, -2.25],
+        [-0.75],
+        [-3.0, -4.0],
+    ]
+    assert [o["logprobs"].dtype for o in out.loss_fn_outputs] == ["float32"] * 3
+    assert [o["ids"].tolist() for o in out.loss_fn_outputs] == [[1, 2, 3], [7], [9, 10]]
+    assert out.loss_fn_outputs[0]["logprobs"].shape == [3]
+
+
+def test_it_emits_metrics_the_sdk_folds_across_chunks() -> None:
+    chunks = [
+        wire.encode_forward_backward_output(
+            [{"logprobs": [-1.0]}] * n, {"loss:sum": loss, "acc:mean": acc}, protobuf=True
+        )
+        for n, loss, acc in ((1, 2.0, 1.0), (3, 5.0, 0.0))
+    ]
+    parsed = [response_conv.deserialize_forward_backward_output(c.content) for c in chunks]
+
+    combined = combine_fwd_bwd_output_results(parsed)
+
+    assert combined.metrics == {"loss:sum": 7.0, "acc:mean": 0.25}
+    assert len(combined.loss_fn_outputs) == 4
+    for bad in ({"loss": 1.0}, {"loss:sum:x": 1.0}, {"loss:median": 1.0}):
+        with pytest.raises(ValueError, match="name:reduction"):
+            wire.encode_forward_backward_output([{"logprobs": [0.0]}], bad, protobuf=True)
+
+
+def test_it_splits_records_where_per_datum_shapes_change() -> None:
+    outputs = [
+        {"topk": np.arange(6, dtype=np.float32).reshape(3, 2)},
+        {"topk": np.arange(4, dtype=np.float32).reshape(2, 2)},
+        {"topk": np.arange(5, dtype=np.float32).reshape(1, 5)},
+        {"topk": np.float32(0.5)},
+    ]
+    body = wire.encode_forward_backward_output(outputs, {}, protobuf=True)
+
+    out = response_conv.deserialize_forward_backward_output(body.content)
+
+    assert [o["topk"].shape for o in out.loss_fn_outputs] == [[3, 2], [2, 2], [1, 5], [1]]
+    for sent, got in zip(outputs, out.loss_fn_outputs, strict=True):
+        np.testing.assert_array_equal(got["topk"].to_numpy().reshape(-1), np.ravel(sent["topk"]))
+    with pytest.raises(ValueError, match="has fields"):
+        wire.encode_forward_backward_output(
+            [{"logprobs": [0.0]}, {"other": [0.0]}], {}, protobuf=True
+        )
+
+
+def test_it_encodes_sample_responses_the_sdk_parses() -> None:
+    sequences = [
+        wire.SampledSequenceOut(
+            tokens=[5, 6, 2],
+            stop_reason="stop",
+            logprobs=[-0.25, -1.5, -0.125],
+            topk_logprobs=[[(5, -0.25), (9, -2.0)], [(6, -1.5)], None],
+        ),
+        wire.SampledSequenceOut(tokens=[8, 8, 8, 8], stop_reason="length"),
+    ]
+    prompt_logprobs = [None, -3.5, -0.5, None]
+    topk_prompt = [None, [(11, -0.5), (12, -1.0), (13, -4.0)], [(14, -0.25)], None]
+    body = wire.encode_sample_response(
+        sequences,
+        protobuf=True,
+        prompt_logprobs=prompt_logprobs,
+        topk_prompt_logprobs=topk_prompt,
+    )
+    ids = wire.future_created("req-9", sample_sequence_ids=["s-0", "s-1"]).body
+
+    parsed = response_conv.deserialize_proto_response(body.content, types.SampleResponse)
+    assert isinstance(parsed, types.SampleResponse)
+    # What SamplingClient does with the /asample reply before handing the result over.
+    out = _attach_sequence_ids(
+        parsed, types.UntypedAPIFuture.model_validate(ids).sample_sequence_ids
+    )
+
+    first, second = out.sequences
+    assert (first.sequence_id, second.sequence_id) == ("s-0", "s-1")
+    assert (first.stop_reason, second.stop_reason) == ("stop", "length")
+    assert first.tokens == [5, 6, 2] and second.tokens == [8, 8, 8, 8]
+    assert first.logprobs == [-0.25, -1.5, -0.125]
+    assert second.logprobs is None and second.topk_logprobs is None
+    assert first.topk_logprobs == [[(5, -0.25), (9, -2.0)], [(6, -1.5)], None]
+    assert out.prompt_logprobs == [None, -3.5, -0.5, None]
+    assert out.topk_prompt_logprobs == topk_prompt
+
+
+def test_it_marks_every_topk_position_empty_without_dropping_the_field() -> None:
+    body = wire.encode_sample_response(
+        [wire.SampledSequenceOut(tokens=[1], stop_reason="length")],
+        protobuf=True,
+        prompt_logprobs=[None],
+        topk_prompt_logprobs=[None],
+    )
+    out = response_conv.deserialize_sample_response(body.content)
+    assert out.prompt_logprobs == [None]
+    assert out.topk_prompt_logprobs == [None]
+
+
+def test_it_answers_json_when_the_client_does_not_ask_for_protobuf() -> None:
+    assert wire.wants_protobuf("application/x-protobuf")
+    assert wire.wants_protobuf("application/json, application/x-protobuf;q=0.9")
+    assert not wire.wants_protobuf("application/json")
+    assert not wire.wants_protobuf(None)
+
+    sample = wire.encode_sample_response(
+        [wire.SampledSequenceOut(tokens=[3], stop_reason="stop", logprobs=[-1.0], sequence_id="a")],
+        protobuf=False,
+        prompt_logprobs=np.array([np.nan, -2.0]),
+    )
+    parsed = s.SampleResponseJson.model_validate_json(sample.content)
+    assert sample.content_type == "application/json"
+    assert parsed.prompt_logprobs == [None, -2.0]
+    assert parsed.sequences[0].sequence_id == "a"
+
+    fwd = wire.encode_forward_backward_output(
+        [{"logprobs": np.array([[-1.0, -2.0]])}], {"loss:sum": math.nan}, protobuf=False
+    )
+    parsed_fwd = s.ForwardBackwardOutputJson.model_validate_json(fwd.content)
+    logprobs = parsed_fwd.loss_fn_outputs[0]["logprobs"]
+    assert (logprobs.data, logprobs.shape, logprobs.dtype) == ([-1.0, -2.0], [1, 2], "float32")
+    assert parsed_fwd.metrics == {"loss:sum": None}
+    # The SDK's JSON TensorData reads the same array back.
+    sdk_td = types.TensorData(data=logprobs.data, dtype=logprobs.dtype, shape=logprobs.shape)
+    assert sdk_td.to_numpy().tolist() == [[-1.0, -2.0]]
+
+
+# --------------------------------------------------------------------------- futures
+
+
+def test_it_builds_future_replies_the_sdk_understands() -> None:
+    pending = wire.try_again("req-1", "paused_capacity", "GPU busy")
+    failed = wire.request_failed("loss is NaN", "user")
+    created = wire.future_created("req-2", model_id="sess:train:0")
+
+    assert pending.status == 408
+    assert TryAgainResponse.model_validate(pending.body).queue_state == "paused_capacity"
+    assert failed.status == 200
+    sdk_failed = types.RequestFailedResponse.model_validate(failed.body)
+    assert sdk_failed.category is types.RequestErrorCategory.User
+    assert sdk_failed.error == "loss is NaN"
+    assert types.UntypedAPIFuture.model_validate(created.body).model_id == "sess:train:0"
+    assert wire.expired("req-3").status == 410
+    assert wire.sampling_backpressure().status == 429
+
+
+def test_it_names_checkpoints_the_way_the_sdk_parses_them() -> None:
+    path = wire.tinker_path(wire.model_id_for("sess-7", 2), "sampler", "step-10")
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+
+    assert parsed.training_run_id == "sess-7:train:2"
+    assert parsed.checkpoint_type == "sampler"
+    assert parsed.checkpoint_id == "sampler_weights/step-10"
+    assert wire.parse_tinker_path(path) == ("sess-7:train:2", "sampler", "step-10")
+    for bad in ("s3://x/weights/a", "tinker://run/weights", "tinker://run/other/a"):
+        with pytest.raises(wire.WireError, match="invalid tinker path"):
+            wire.parse_tinker_path(bad)
+    with pytest.raises(ValueError):
+        wire.tinker_path("run", "training", "a/b")

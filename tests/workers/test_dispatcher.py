@@ -1,0 +1,187 @@
+"""Dispatcher admission rules against the real lock table and database (no worker needed:
+the nodes are announced directly, the tasks land in queues nobody consumes)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from jobs import services
+from jobs.models import Job, JobState
+from workers import dispatcher
+from workers.dispatcher import Candidate, admission_order, dispatch_once, request_dispatch
+from workers.locktable import GpuLockTable
+from workers.models import GpuLeaseRecord
+
+
+@pytest.fixture
+def table(transactional_db: None, clean_control_plane: Any) -> GpuLockTable:
+    return GpuLockTable(clean_control_plane)
+
+
+@pytest.fixture
+def offline_node(table: GpuLockTable):
+    """Announce a node but keep it out of placement until the test brings it online."""
+
+    def make(name: str, slots: int) -> None:
+        table.announce(name, list(range(slots)), ttl=60)
+        table.withdraw(name)
+
+    return make
+
+
+def queue_job(
+    team: Any, user: Any, *, gpus: int = 1, priority: int = 50, age_s: float = 0,
+    expect: str = JobState.QUEUED,
+) -> str:
+    job = services.submit_job(
+        team=team,
+        user=user,
+        spec={"method": "smoke", "gpus": gpus, "priority": priority},
+        name=f"p{priority}-g{gpus}",
+    )
+    if age_s:
+        # Test setup only: pretend the job was submitted earlier.
+        Job.objects.filter(pk=job.pk).update(created=timezone.now() - timedelta(seconds=age_s))
+    assert Job.objects.get(pk=job.pk).state == expect
+    return str(job.pk)
+
+
+def test_it_admits_by_priority_then_age(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any
+) -> None:
+    offline_node("n", 2)
+    low = queue_job(team, owner, priority=10, age_s=30)
+    high = queue_job(team, owner, priority=90)
+    mid_old = queue_job(team, owner, priority=50, age_s=20)
+    queue_job(team, owner, priority=50, age_s=10)
+    table.refresh("n", ttl=60)
+
+    assert dispatch_once(table) == [high, mid_old]
+    for job_id in (high, mid_old):
+        job = Job.objects.get(pk=job_id)
+        assert job.state == JobState.STARTING and job.node == "n" and job.celery_task_id
+        assert GpuLeaseRecord.objects.get(job_id=job_id).outcome == "held"
+    assert Job.objects.get(pk=low).state == JobState.QUEUED
+
+
+def test_it_lets_small_jobs_backfill_while_a_big_one_waits(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, settings: Any
+) -> None:
+    settings.OPENTINKER_BACKFILL_WINDOW_SECONDS = 300
+    offline_node("n", 4)
+    table.refresh("n", ttl=60)
+    assert table.allocate("someone-else", 2, ttl=60) is not None
+    table.withdraw("n")
+    big = queue_job(team, owner, gpus=4, priority=90)
+    small = queue_job(team, owner, gpus=1, priority=10)
+    table.refresh("n", ttl=60)
+
+    assert dispatch_once(table) == [small]
+    assert Job.objects.get(pk=big).state == JobState.QUEUED
+
+
+def test_it_stops_backfill_once_the_big_job_waited_past_the_window(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, settings: Any
+) -> None:
+    settings.OPENTINKER_BACKFILL_WINDOW_SECONDS = 300
+    offline_node("n", 4)
+    table.refresh("n", ttl=60)
+    blocker = table.allocate("someone-else", 2, ttl=60)
+    table.withdraw("n")
+    big = queue_job(team, owner, gpus=4, priority=90, age_s=301)
+    small = queue_job(team, owner, gpus=1, priority=10)
+    table.refresh("n", ttl=60)
+
+    # The big job holds a reservation: the free GPUs stay free for it.
+    assert dispatch_once(table) == []
+    assert Job.objects.get(pk=small).state == JobState.QUEUED
+    assert blocker is not None and table.release(blocker)
+    assert dispatch_once(table) == [big]
+
+
+def test_it_reserves_nothing_for_a_job_no_live_node_can_hold(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, settings: Any
+) -> None:
+    settings.OPENTINKER_BACKFILL_WINDOW_SECONDS = 0
+    offline_node("big", 8)
+    offline_node("small", 2)
+    huge = queue_job(team, owner, gpus=8, priority=90, age_s=1000)
+    small = queue_job(team, owner, gpus=1, priority=10)
+    table.refresh("small", ttl=60)  # the 8-GPU node stays down
+    assert dispatch_once(table) == [small]
+    assert Job.objects.get(pk=huge).state == JobState.QUEUED
+
+
+def test_it_ages_a_low_priority_job_past_newer_high_priority_ones(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, settings: Any
+) -> None:
+    settings.OPENTINKER_AGING_SECONDS = 10
+    offline_node("n", 1)
+    starving = queue_job(team, owner, priority=0, age_s=1000)  # +100 for its wait
+    queue_job(team, owner, priority=95)
+    table.refresh("n", ttl=60)
+    assert dispatch_once(table) == [starving]
+
+
+def test_it_orders_candidates_by_effective_priority() -> None:
+    now = timezone.now()
+
+    def cand(name: str, priority: int, age_s: float) -> Candidate:
+        return Candidate(name, priority, 1, now - timedelta(seconds=age_s), 1, {})
+
+    order = admission_order(
+        [cand("new-high", 60, 0), cand("old-low", 10, 600), cand("mid", 50, 5)],
+        now,
+        aging_seconds=10,
+    )
+    assert [c.job_id for c in order] == ["old-low", "new-high", "mid"]
+    order = admission_order([cand("a", 50, 5), cand("b", 50, 9)], now, aging_seconds=3600)
+    assert [c.job_id for c in order] == ["b", "a"]
+
+
+def test_it_does_not_run_two_dispatch_passes_at_once(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, clean_control_plane: Any
+) -> None:
+    offline_node("n", 1)
+    job_id = queue_job(team, owner)
+    table.refresh("n", ttl=60)
+    lock = clean_control_plane.lock(dispatcher.LOCK_KEY, timeout=30)
+    assert lock.acquire(blocking=False)
+    try:
+        # Another dispatcher holds the lock: this call leaves a pending mark and returns.
+        assert request_dispatch() == []
+        assert clean_control_plane.exists(dispatcher.PENDING_KEY)
+        assert Job.objects.get(pk=job_id).state == JobState.QUEUED
+    finally:
+        lock.release()
+    assert request_dispatch() == [job_id]
+    assert not clean_control_plane.exists(dispatcher.PENDING_KEY)
+
+
+def test_it_ends_a_cancelled_job_whose_task_never_started(
+    table: GpuLockTable, team: Any, owner: Any, owner_client: Any
+) -> None:
+    table.announce("ghost", [0, 1], ttl=60)  # a node whose worker never picks up its queue
+    # Submission dispatches on commit: the job is placed on the ghost node at once.
+    job_id = queue_job(team, owner, gpus=2, expect=JobState.STARTING)
+
+    response = owner_client.post(f"/api/v1/jobs/{job_id}/cancel")
+    assert response.status_code == 200, response.content
+    assert Job.objects.get(pk=job_id).state == JobState.CANCELLED
+    assert table.lease_of(job_id) is None
+    assert table.snapshot()["nodes"]["ghost"]["held"] == {}
+    assert GpuLeaseRecord.objects.get(job_id=job_id).outcome == "cancelled"
+
+
+def test_it_refuses_at_submit_a_job_larger_than_every_node(
+    table: GpuLockTable, team: Any, owner: Any
+) -> None:
+    table.announce("n", [0, 1, 2, 3], ttl=60)
+    with pytest.raises(services.GpuRequestTooLarge, match="largest node has 4"):
+        services.submit_job(
+            team=team, user=owner, spec={"method": "smoke", "gpus": 5}, name="too-big"
+        )

@@ -1,0 +1,63 @@
+"""ensure_valkey(): one embedded server per process tree, stopped only by its starter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    sys.path.insert(0, sys.argv[1])
+    from opentinker_site.embedded import ensure_valkey
+    url = ensure_valkey()
+    assert ensure_valkey() == url and os.environ["REDIS_URL"] == url
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; sys.path.insert(0, sys.argv[1]);"
+         "from opentinker_site.embedded import ensure_valkey; print(ensure_valkey())",
+         sys.argv[1]],
+        capture_output=True, text=True, check=True,
+    )
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a forked child runs atexit hooks: they must not stop the parent's server
+    os.waitpid(pid, 0)
+    import redis
+    assert redis.Redis.from_url(url).ping()
+    print(url)
+    print(child.stdout.strip())
+    """
+)
+
+
+def test_it_starts_one_server_per_process_tree_and_stops_it_at_exit(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["OPENTINKER_VALKEY_DIR"] = str(tmp_path / "valkey")
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ROOT)],
+        env=env, capture_output=True, text=True, check=False, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    url, child_url = out.stdout.split()
+    assert child_url == url  # the subprocess inherited the server instead of starting one
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    except redis.ConnectionError:
+        pass
+    else:
+        raise AssertionError("the embedded server outlived the process that started it")
+
+
+def test_it_uses_a_configured_redis_url(monkeypatch) -> None:
+    from opentinker_site.embedded import ensure_valkey
+
+    monkeypatch.setenv("REDIS_URL", "redis://example.invalid:6379/3")
+    assert ensure_valkey() == "redis://example.invalid:6379/3"

@@ -1,0 +1,111 @@
+"""The whole path with a real Valkey and a real Celery worker subprocess.
+
+Submit through the API -> dispatcher leases GPUs -> worker runs the smoke job -> SUCCEEDED;
+cancel mid-run frees the GPUs; a SIGKILLed worker's lease is reaped, the job is requeued and
+finishes on a fresh worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from jobs.models import Job, JobEvent, JobState
+from tests.fixtures.workers import TEST_LEASE_SECONDS, wait_for
+from workers.control import reap
+from workers.locktable import GpuLockTable
+from workers.models import GpuLeaseRecord
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def submit(client: APIClient, **spec: Any) -> str:
+    response = client.post(
+        "/api/v1/jobs", {"name": "smoke", "spec": {"method": "smoke", **spec}}, format="json"
+    )
+    assert response.status_code == 201, response.content
+    return str(response.json()["id"])
+
+
+def state_of(job_id: str) -> str:
+    return Job.objects.values_list("state", flat=True).get(pk=job_id)
+
+
+def held_gpus(table: GpuLockTable, node: str) -> dict[int, str]:
+    return table.snapshot()["nodes"][node]["held"]
+
+
+def test_it_runs_a_smoke_job_to_success(
+    celery_worker: Any, owner_client: APIClient, clean_control_plane: Any
+) -> None:
+    job_id = submit(owner_client, smoke_steps=3, smoke_step_seconds=0.2)
+    wait_for(lambda: state_of(job_id) in {"SUCCEEDED", "FAILED", "CANCELLED"}, 40, "the job")
+    job = Job.objects.get(pk=job_id)
+    assert job.state == JobState.SUCCEEDED, (job.error_code, job.error_message, celery_worker.log())
+    assert job.node == "testnode" and len(job.gpus_held) == 1 and job.attempt == 1
+
+    series = owner_client.get(f"/api/v1/jobs/{job_id}/metrics").json()["series"]
+    assert [int(step) for step, _ in series["eigenvalue"]] == [1, 2, 3]
+    # Power iteration converges: the residual shrinks step by step, the estimate is close.
+    residuals = [value for _, value in series["residual"]]
+    assert residuals[-1] < residuals[0]
+    assert series["eigenvalue_error"][-1][1] < 1e-3 * series["eigenvalue"][-1][1]
+    assert all(value >= 1 for _, value in series["iterations"])
+
+    transitions = list(
+        JobEvent.objects.filter(job_id=job_id, kind="state").values_list("to_state", flat=True)
+    )
+    assert transitions == ["QUEUED", "STARTING", "RUNNING", "SUCCEEDED"]
+    table = GpuLockTable(clean_control_plane)
+    assert table.lease_of(job_id) is None and held_gpus(table, "testnode") == {}
+    record = GpuLeaseRecord.objects.get(job_id=job_id)
+    assert record.outcome == "released" and record.released is not None
+
+
+def test_it_frees_the_gpus_within_seconds_of_a_cancel(
+    celery_worker: Any, owner_client: APIClient, clean_control_plane: Any
+) -> None:
+    table = GpuLockTable(clean_control_plane)
+    job_id = submit(owner_client, smoke_steps=200, smoke_step_seconds=0.2, gpus=2)
+    wait_for(lambda: Job.objects.filter(pk=job_id, current_step__gte=1).exists(), 30, "step 1")
+    assert state_of(job_id) == JobState.RUNNING
+    assert len(held_gpus(table, "testnode")) == 2
+
+    response = owner_client.post(f"/api/v1/jobs/{job_id}/cancel")
+    assert response.status_code == 200, response.content
+    wait_for(lambda: held_gpus(table, "testnode") == {}, 5, "the GPUs to be released")
+    wait_for(lambda: state_of(job_id) == JobState.CANCELLED, 5, "CANCELLED")
+    assert Job.objects.get(pk=job_id).current_step < 200
+
+    # The freed block is usable at once: the next job runs on it.
+    next_id = submit(owner_client, smoke_steps=1, smoke_step_seconds=0, gpus=2)
+    wait_for(lambda: state_of(next_id) == JobState.SUCCEEDED, 30, "the next job")
+
+
+def test_it_requeues_the_job_of_a_killed_worker_and_finishes_it_on_a_fresh_one(
+    start_worker: Any, owner_client: APIClient, clean_control_plane: Any
+) -> None:
+    table = GpuLockTable(clean_control_plane)
+    first = start_worker(node="testnode")
+    job_id = submit(owner_client, smoke_steps=6, smoke_step_seconds=0.5)
+    wait_for(lambda: Job.objects.filter(pk=job_id, current_step__gte=1).exists(), 30, "step 1")
+    first.kill()
+    lease = table.lease_of(job_id)
+    assert lease is not None and state_of(job_id) == JobState.RUNNING
+
+    # Nothing renews the lease any more: it expires within one TTL and the reaper requeues.
+    wait_for(lambda: table.expired(), TEST_LEASE_SECONDS + 3, "the lease to expire")
+    result = reap()
+    assert job_id in result["reclaimed"] and job_id in result["requeued"]
+    job = Job.objects.get(pk=job_id)
+    assert job.state == JobState.QUEUED and job.attempt == 2
+    assert GpuLeaseRecord.objects.get(job_id=job_id, attempt=1).outcome == "reaped"
+
+    start_worker(node="testnode")
+    wait_for(lambda: state_of(job_id) in {"SUCCEEDED", "FAILED"}, 40, "the requeued job")
+    job = Job.objects.get(pk=job_id)
+    assert job.state == JobState.SUCCEEDED and job.attempt == 2, job.error_message
+    messages = list(JobEvent.objects.filter(job_id=job_id).values_list("message", flat=True))
+    assert any("expired" in m for m in messages)

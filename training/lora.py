@@ -1,0 +1,390 @@
+"""Multi-LoRA batching: many adapters share one frozen base model inside a single forward.
+
+`LoRAHost` swaps the target `nn.Linear` modules of a model for `MultiLoRALinear`. Adapters are
+registered under string keys (a policy's live weights under ``policy.id``, a published snapshot
+under ``f"{policy.id}@{version}"``). Inside ``with host.route(keys_per_row):`` every forward runs
+the base projection once over all rows, then for each adapter in the batch gathers its rows,
+computes ``(x @ A^T) @ B^T * scaling`` and scatter-adds it back. Rows routed to ``None`` see the
+base model only. The routing is per batch row, so prefill and KV-cache decode steps both use it.
+
+The per-module hot path is kept small on purpose: the grouping of rows into adapters is computed
+once per ``route()`` and shared by every wrapped module through one `_RouteState` object.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Projection names of Qwen2 / Llama / Mistral decoder layers.
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+ALL_LINEAR = "all-linear"
+
+AdapterWeights = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Group:
+    key: str
+    # None: the adapter covers every row, so no gather/scatter is needed.
+    rows: torch.Tensor | None
+
+
+@dataclass
+class _Stacked:
+    """Rows of K adapters laid out as K equal slots, so two bmm calls serve all adapters.
+
+    Slot k holds the rows of adapter `keys[k]`, padded to the largest group with copies of its
+    first row whose contribution is zeroed by `weight_K_G`.
+    """
+
+    keys: tuple[str, ...]
+    index: torch.Tensor  # (K * G,) row of x behind each slot entry
+    weight_K_G: torch.Tensor  # (K, G, 1, 1): adapter scaling, 0 on padding
+    slots: int  # G
+
+
+class _RouteState:
+    """Routing shared by all wrapped modules of one host (one object, read per forward)."""
+
+    def __init__(self) -> None:
+        self.groups: tuple[_Group, ...] = ()
+        self.num_rows: int = 0
+        self.stacked: _Stacked | None = None
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen base `nn.Linear` plus any number of registered low-rank adapters.
+
+    `weight` and `bias` are the very Parameter objects of the wrapped Linear, so the model's
+    state_dict keys do not change when a host is attached.
+    """
+
+    def __init__(self, base: nn.Linear, name: str, state: _RouteState) -> None:
+        super().__init__()
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.name = name
+        self._state = state
+        # key -> (A [r, in], B [out, r], scaling). Plain dict: adapters are not module state.
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, adapters={len(self.adapters)}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        groups = self._state.groups
+        if not groups:
+            return out
+        if x.shape[0] != self._state.num_rows:
+            raise RuntimeError(
+                f"{self.name}: batch has {x.shape[0]} rows but the route names "
+                f"{self._state.num_rows}"
+            )
+        stacked = self._state.stacked
+        if stacked is not None and x.dim() == 3:
+            result = self._forward_stacked(x, out, stacked)
+            if result is not None:
+                return result
+        for group in groups:
+            entry = self.adapters.get(group.key)
+            if entry is None:
+                # This adapter does not target this module.
+                continue
+            lora_a, lora_b, scaling = entry
+            rows = group.rows
+            xs = x if rows is None else x.index_select(0, rows)
+            if xs.dtype != lora_a.dtype:
+                xs = xs.to(lora_a.dtype)
+            hidden = F.linear(xs, lora_a)  # (..., r)
+            if rows is None and hidden.dtype == out.dtype:
+                # One fused out + scaling * hidden @ B^T instead of mul, mm and add.
+                out_2d = out.reshape(-1, self.out_features)
+                out = torch.addmm(
+                    out_2d, hidden.reshape(-1, hidden.shape[-1]), lora_b.t(), alpha=scaling
+                ).view(out.shape)
+                continue
+            delta = F.linear(hidden, lora_b)
+            if delta.dtype != out.dtype:
+                delta = delta.to(out.dtype)
+            if rows is None:
+                out = out + delta * scaling
+            else:
+                # In place is safe for autograd: F.linear does not save its output.
+                out.index_add_(0, rows, delta, alpha=scaling)
+        return out
+
+
+    def _forward_stacked(
+        self, x: torch.Tensor, out: torch.Tensor, stacked: _Stacked
+    ) -> torch.Tensor | None:
+        """All adapters in one gather, two bmm calls and one scatter; None if not applicable."""
+        entries = [self.adapters.get(key) for key in stacked.keys]
+        if any(e is None for e in entries):
+            return None
+        a_list = [e[0] for e in entries]  # type: ignore[index]
+        b_list = [e[1] for e in entries]  # type: ignore[index]
+        rank = a_list[0].shape[0]
+        dtype = a_list[0].dtype
+        if any(a.shape[0] != rank or a.dtype != dtype for a in a_list) or dtype != out.dtype:
+            # Mixed ranks or dtypes: the per-adapter loop handles them.
+            return None
+        num_keys, slots = len(stacked.keys), stacked.slots
+        length = x.shape[1]
+        a_K = torch.stack(a_list)  # (K, r, in)
+        b_K = torch.stack(b_list)  # (K, out, r)
+        xs = x.index_select(0, stacked.index).reshape(num_keys, slots * length, -1)
+        hidden = torch.bmm(xs.to(dtype), a_K.transpose(1, 2))  # (K, G*T, r)
+        hidden = (hidden.view(num_keys, slots, length, rank) * stacked.weight_K_G).view(
+            num_keys, slots * length, rank
+        )
+        delta = torch.bmm(hidden, b_K.transpose(1, 2))  # (K, G*T, out)
+        # In place is safe for autograd: F.linear does not save its output.
+        return out.index_add_(0, stacked.index, delta.view(num_keys * slots, length, -1))
+
+
+def _matches(name: str, targets: Sequence[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def resolve_target_modules(model: nn.Module, target_modules: str | Iterable[str]) -> list[str]:
+    """Full module names of the Linear layers selected by `target_modules`.
+
+    `"all-linear"` selects every Linear except the output projection (as peft does);
+    otherwise entries match a module name exactly or its last dotted components.
+    """
+    output_layer: nn.Module | None = None
+    get_output = getattr(model, "get_output_embeddings", None)
+    if callable(get_output):
+        output_layer = get_output()
+    linear_types = (nn.Linear, MultiLoRALinear)
+    if isinstance(target_modules, str):
+        if target_modules != ALL_LINEAR:
+            target_modules = [target_modules]
+    else:
+        target_modules = list(target_modules)
+        if not target_modules:
+            raise ValueError("target_modules must not be empty")
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, linear_types) or module is output_layer:
+            continue
+        if target_modules == ALL_LINEAR or _matches(name, target_modules):
+            names.append(name)
+    if not names:
+        raise ValueError(f"target_modules {target_modules!r} match no Linear layer of the model")
+    return names
+
+
+class LoRAHost:
+    """Owns the `MultiLoRALinear` modules of one model and the registry of adapters."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target_modules: str | Iterable[str] = ALL_LINEAR,
+        *,
+        stack_min_adapters: int = 3,
+    ):
+        """`stack_min_adapters`: from this many adapters in one batch on, the deltas run as
+        one grouped bmm instead of a loop over adapters (fewer, larger kernels)."""
+        self.model = model
+        self.stack_min_adapters = stack_min_adapters
+        self._state = _RouteState()
+        self._lock = threading.RLock()
+        self._scalings: dict[str, float] = {}
+        self.modules: dict[str, MultiLoRALinear] = {}
+        for name in resolve_target_modules(model, target_modules):
+            module = model.get_submodule(name)
+            if isinstance(module, MultiLoRALinear):
+                raise TypeError(f"{name} is already wrapped by another LoRAHost")
+            wrapped = MultiLoRALinear(module, name, self._state)
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, wrapped)
+            self.modules[name] = wrapped
+
+    # -- registry -------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._scalings)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._scalings
+
+    def module_names(self) -> list[str]:
+        return list(self.modules)
+
+    def register(self, key: str, weights: AdapterWeights, scaling: float) -> None:
+        """Attach adapter `key`: `weights[module_name] = (A [r, in], B [out, r])`.
+
+        The tensors are used as given (no copy): pass nn.Parameters for live training
+        weights, detached clones for immutable snapshots.
+        """
+        if not isinstance(key, str) or not key:
+            raise ValueError("adapter key must be a non-empty string")
+        if key in self._scalings:
+            raise KeyError(f"adapter {key!r} is already registered")
+        if not weights:
+            raise ValueError(f"adapter {key!r}: no weights given")
+        checked: list[tuple[MultiLoRALinear, torch.Tensor, torch.Tensor]] = []
+        for name, pair in weights.items():
+            module = self.modules.get(name)
+            if module is None:
+                raise KeyError(f"adapter {key!r}: {name!r} is not a module wrapped by this host")
+            lora_a, lora_b = pair
+            if lora_a.dim() != 2 or lora_b.dim() != 2:
+                raise ValueError(f"adapter {key!r}: {name}: A and B must be 2-d")
+            rank = lora_a.shape[0]
+            if lora_a.shape[1] != module.in_features:
+                raise ValueError(
+                    f"adapter {key!r}: {name}: A has shape {tuple(lora_a.shape)}, expected "
+                    f"[r, {module.in_features}]"
+                )
+            if tuple(lora_b.shape) != (module.out_features, rank):
+                raise ValueError(
+                    f"adapter {key!r}: {name}: B has shape {tuple(lora_b.shape)}, expected "
+                    f"[{module.out_features}, {rank}]"
+                )
+            if lora_a.device != module.weight.device or lora_b.device != module.weight.device:
+                raise ValueError(
+                    f"adapter {key!r}: {name}: weights on {lora_a.device}, model on "
+                    f"{module.weight.device}"
+                )
+            checked.append((module, lora_a, lora_b))
+        with self._lock:
+            for module, lora_a, lora_b in checked:
+                module.adapters[key] = (lora_a, lora_b, float(scaling))
+            self._scalings[key] = float(scaling)
+
+    def unregister(self, key: str) -> None:
+        with self._lock:
+            if key not in self._scalings:
+                raise KeyError(f"adapter {key!r} is not registered")
+            for module in self.modules.values():
+                module.adapters.pop(key, None)
+            del self._scalings[key]
+
+    def weights(self, key: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The registered tensors of adapter `key` (the same objects, not copies)."""
+        if key not in self._scalings:
+            raise KeyError(f"adapter {key!r} is not registered")
+        return {
+            name: (m.adapters[key][0], m.adapters[key][1])
+            for name, m in self.modules.items()
+            if key in m.adapters
+        }
+
+    def scaling(self, key: str) -> float:
+        if key not in self._scalings:
+            raise KeyError(f"adapter {key!r} is not registered")
+        return self._scalings[key]
+
+    # -- routing --------------------------------------------------------------------------
+
+    @contextmanager
+    def route(self, keys_per_row: Sequence[str | None]) -> Iterator[None]:
+        """Route row i of every forward inside the block through adapter `keys_per_row[i]`.
+
+        The block holds the host's lock: one routed computation at a time per model.
+        """
+        keys = list(keys_per_row)
+        if not keys:
+            raise ValueError("route: keys_per_row is empty")
+        unknown = sorted({k for k in keys if k is not None and k not in self._scalings})
+        if unknown:
+            raise KeyError(f"route: adapters not registered: {unknown}")
+        device = next(iter(self.modules.values())).weight.device
+        rows_by_key: dict[str, list[int]] = {}
+        for row, key in enumerate(keys):
+            if key is not None:
+                rows_by_key.setdefault(key, []).append(row)
+        groups = []
+        for key, rows in rows_by_key.items():
+            if len(rows) == len(keys):
+                groups.append(_Group(key, None))
+            else:
+                groups.append(_Group(key, torch.tensor(rows, dtype=torch.long, device=device)))
+        stacked = None
+        if len(rows_by_key) >= max(2, self.stack_min_adapters):
+            stacked = self._stack(rows_by_key, device)
+        with self._lock:
+            state = self._state
+            previous = (state.groups, state.num_rows, state.stacked)
+            state.groups, state.num_rows, state.stacked = tuple(groups), len(keys), stacked
+            try:
+                yield
+            finally:
+                state.groups, state.num_rows, state.stacked = previous
+
+    def _stack(self, rows_by_key: dict[str, list[int]], device: torch.device) -> _Stacked:
+        slots = max(len(rows) for rows in rows_by_key.values())
+        index: list[int] = []
+        weight: list[list[float]] = []
+        for key, rows in rows_by_key.items():
+            pad = slots - len(rows)
+            index.extend(rows + [rows[0]] * pad)
+            scaling = self._scalings[key]
+            weight.append([scaling] * len(rows) + [0.0] * pad)
+        dtype = next(iter(self.modules.values())).weight.dtype
+        return _Stacked(
+            keys=tuple(rows_by_key),
+            index=torch.tensor(index, dtype=torch.long, device=device),
+            weight_K_G=torch.tensor(weight, dtype=dtype, device=device)[:, :, None, None],
+            slots=slots,
+        )
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Put the original Linear layers back (weights shared, adapters dropped)."""
+        for name, module in self.modules.items():
+            linear = nn.Linear(
+                module.in_features,
+                module.out_features,
+                bias=module.bias is not None,
+                device="meta",
+            )
+            linear.weight = module.weight
+            linear.bias = module.bias
+            parent_name, _, child = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            setattr(parent, child, linear)
+        self.modules = {}
+        self._scalings = {}
+
+
+def unwrap_linears(model: nn.Module) -> nn.Module:
+    """Replace every MultiLoRALinear in `model` (e.g. a deep copy) by a plain Linear, in place."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MultiLoRALinear):
+            linear = nn.Linear(
+                module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+            )
+            linear.weight = module.weight
+            linear.bias = module.bias
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, linear)
+    return model

@@ -1,0 +1,326 @@
+"""The training primitives: forward, forward_backward (gradient accumulation) and optim_step.
+
+A call may mix datums of several policies of one engine: LoRA rows go through the shared base
+model in ONE forward, each row routed to its own adapter by `LoRAHost.route`; a fully
+fine-tuned policy runs its private model on its rows. Datums of different lengths are right
+padded; with causal attention a real token never attends to the padding after it, so no
+attention mask is needed and the padded positions are simply excluded from the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.losses import LOSSES, LossBatch, LossFn, get_loss
+from training.policy import Policy
+from training.types import AdamParams, Datum, FwdBwdResult
+
+
+def _policies_per_row(policy: Policy | Sequence[Policy], datums: Sequence[Datum]) -> list[Policy]:
+    if not datums:
+        raise ValueError("no datums given")
+    if isinstance(policy, Policy):
+        return [policy] * len(datums)
+    policies = list(policy)
+    if len(policies) != len(datums):
+        raise ValueError(
+            f"got {len(policies)} policies for {len(datums)} datums: pass one policy, "
+            "or one per datum"
+        )
+    hosts = {id(p.host) for p in policies}
+    if len(hosts) != 1:
+        raise ValueError("all policies of one call must belong to the same engine")
+    return policies
+
+
+def _collate(
+    datums: Sequence[Datum], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Right-pad to (B, T): input ids, target ids, loss inputs, and the in-datum mask."""
+    for i, datum in enumerate(datums):
+        if not isinstance(datum, Datum):
+            raise TypeError(f"datum {i}: expected a Datum, got {type(datum).__name__}")
+        if "target_tokens" not in datum.loss_fn_inputs:
+            raise ValueError(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
+    keys = set(datums[0].loss_fn_inputs)
+    for i, datum in enumerate(datums[1:], start=1):
+        if set(datum.loss_fn_inputs) != keys:
+            raise ValueError(
+                f"datum {i}: loss_fn_inputs keys {sorted(datum.loss_fn_inputs)} differ from "
+                f"datum 0's {sorted(keys)}"
+            )
+    pad = torch.nn.utils.rnn.pad_sequence
+    input_ids = pad([d.model_input for d in datums], batch_first=True)
+    inputs = {
+        key: pad([d.loss_fn_inputs[key] for d in datums], batch_first=True).to(device)
+        for key in keys
+    }
+    lengths = torch.tensor([d.length for d in datums])
+    valid = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).float()
+    targets = inputs.pop("target_tokens")
+    return input_ids.to(device), targets, inputs, valid.to(device)
+
+
+# Architectures whose logits are exactly lm_head(decoder(x)): for them the head runs only on the
+# positions that need it. Others (e.g. with logit soft-capping) go through the full forward.
+_PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+
+def _target_logprobs(
+    policies: list[Policy],
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """(B, T) log p(target | prefix), each row under its own policy; 0 on padding."""
+    lora_rows = [i for i, p in enumerate(policies) if not p.is_full_finetune]
+    groups: list[tuple[list[int], nn.Module, object]] = []
+    if lora_rows:
+        host = policies[lora_rows[0]].host
+        keys = [policies[i].adapter_key for i in lora_rows]
+        groups.append((lora_rows, host.model, host.route(keys)))
+    full_rows: dict[int, list[int]] = {}
+    for i, p in enumerate(policies):
+        if p.is_full_finetune:
+            full_rows.setdefault(id(p), []).append(i)
+    for rows in full_rows.values():
+        model = policies[rows[0]].model
+        assert model is not None
+        groups.append((rows, model, nullcontext()))
+
+    if len(groups) == 1:
+        _, model, ctx = groups[0]
+        with ctx:  # type: ignore[attr-defined]
+            return _logprobs_of(model, input_ids, targets, valid, loss_mask)
+    parts = []
+    for rows, model, ctx in groups:
+        index = torch.tensor(rows, device=input_ids.device)
+        sub_mask = None if loss_mask is None else loss_mask[index]
+        with ctx:  # type: ignore[attr-defined]
+            lp = _logprobs_of(model, input_ids[index], targets[index], valid[index], sub_mask)
+        parts.append((index, lp))
+    index = torch.cat([i for i, _ in parts])
+    values = torch.cat([v for _, v in parts])
+    # Out-of-place index_put keeps the autograd graph of every part.
+    return torch.zeros(targets.shape, device=targets.device).index_put((index,), values)
+
+
+# Above this many logits (N x V) the head runs in chunks and recomputes them in backward, so a
+# large vocabulary (Qwen: 151k) never holds an (N, V) float32 tensor for the whole batch.
+_HEAD_CHUNK_ELEMENTS = 1 << 26
+
+
+class _ChunkedTargetLogprob(torch.autograd.Function):
+    """log_softmax(h @ W^T + b)[target], computed chunk by chunk without saving the logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden_N_H: torch.Tensor,
+        weight_V_H: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        targets_N: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        out = torch.empty(hidden_N_H.shape[0], device=hidden_N_H.device)
+        for start in range(0, hidden_N_H.shape[0], chunk):
+            stop = start + chunk
+            logits = F.linear(hidden_N_H[start:stop], weight_V_H, bias_V).float()
+            picked = logits.gather(1, targets_N[start:stop, None])[:, 0]
+            out[start:stop] = picked - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N)
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_N: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden_N_H, weight_V_H, bias_V, targets_N = ctx.saved_tensors  # type: ignore[attr-defined]
+        chunk = ctx.chunk  # type: ignore[attr-defined]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden_N_H) if need_h else None
+        grad_w = torch.zeros_like(weight_V_H, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
+        for start in range(0, hidden_N_H.shape[0], chunk):
+            stop = start + chunk
+            h = hidden_N_H[start:stop]
+            g = grad_N[start:stop]
+            # d logprob[t] / d logits = onehot(t) - softmax(logits)
+            dlogits = torch.softmax(F.linear(h, weight_V_H, bias_V).float(), dim=-1)
+            dlogits.mul_(-g[:, None])
+            dlogits.scatter_add_(1, targets_N[start:stop, None], g[:, None])
+            if grad_h is not None:
+                grad_h[start:stop] = (dlogits.to(weight_V_H.dtype) @ weight_V_H).to(h.dtype)
+            if grad_w is not None:
+                grad_w += dlogits.t() @ h.float()
+            if grad_b is not None:
+                grad_b += dlogits.sum(dim=0)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight_V_H.dtype),
+            None if grad_b is None else grad_b.to(bias_V.dtype),
+            None,
+            None,
+        )
+
+
+def _head_logprobs(
+    head: nn.Module, hidden_N_H: torch.Tensor, targets_N: torch.Tensor
+) -> torch.Tensor:
+    weight = getattr(head, "weight", None)
+    vocab = weight.shape[0] if isinstance(head, nn.Linear) and weight is not None else 0
+    if vocab and hidden_N_H.shape[0] * vocab > _HEAD_CHUNK_ELEMENTS:
+        chunk = max(1, _HEAD_CHUNK_ELEMENTS // vocab)
+        return _ChunkedTargetLogprob.apply(hidden_N_H, head.weight, head.bias, targets_N, chunk)
+    logits = head(hidden_N_H)  # (N, V)
+    # cross_entropy is log_softmax + gather fused, without keeping (N, V) log-probs around.
+    return -F.cross_entropy(logits.float(), targets_N, reduction="none")
+
+
+def _logprobs_of(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Target log-probs of one model's rows.
+
+    With a plain head, the vocabulary projection runs only on real (non-padding) positions, and
+    when gradients are on, its backward only covers positions that carry loss (`loss_mask`).
+    """
+    batch, length = targets.shape
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
+        flat = _head_logprobs(
+            nn.Identity(), logits.reshape(batch * length, -1), targets.reshape(-1)
+        )
+        return flat.view(batch, length) * valid
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    hidden_N_H = hidden.reshape(batch * length, -1)
+    targets_N = targets.reshape(-1)
+    head = model.get_output_embeddings()
+    out = torch.zeros(batch * length, device=targets.device)
+    if torch.is_grad_enabled() and loss_mask is not None:
+        with_grad = (loss_mask.reshape(-1) != 0).nonzero().squeeze(1)
+        no_grad = ((loss_mask.reshape(-1) == 0) & (valid.reshape(-1) != 0)).nonzero().squeeze(1)
+        with torch.no_grad():
+            out[no_grad] = _head_logprobs(head, hidden_N_H[no_grad], targets_N[no_grad])
+        values = _head_logprobs(head, hidden_N_H[with_grad], targets_N[with_grad])
+        out = out.index_put((with_grad,), values)
+    else:
+        real = (valid.reshape(-1) != 0).nonzero().squeeze(1)
+        out = out.index_put((real,), _head_logprobs(head, hidden_N_H[real], targets_N[real]))
+    return out.view(batch, length)
+
+
+def _run(
+    policy: Policy | Sequence[Policy],
+    datums: Sequence[Datum],
+    loss_fn: str | LossFn | None,
+    loss_fn_config: Mapping[str, float] | None,
+    backward: bool,
+) -> FwdBwdResult:
+    policies = _policies_per_row(policy, datums)
+    fn = get_loss(loss_fn) if loss_fn is not None else None
+    device = policies[0].host.model.get_input_embeddings().weight.device
+    input_ids, targets, inputs, valid = _collate(datums, device)
+    grad = torch.enable_grad() if backward else torch.no_grad()
+    mask = valid * inputs["mask"] if "mask" in inputs else valid
+    # Positions whose log-prob gets a gradient; a zero SFT weight contributes none.
+    grad_mask = mask
+    if fn is not None and fn is LOSSES["cross_entropy"]:
+        grad_mask = mask * (inputs["weights"] != 0) if "weights" in inputs else mask
+    with grad:
+        logprobs = _target_logprobs(
+            policies, input_ids, targets, valid, grad_mask if fn is not None else None
+        )
+        metrics: dict[str, torch.Tensor] = {}
+        if fn is not None:
+            loss, metrics = fn(LossBatch(logprobs, inputs, mask), loss_fn_config or {})
+            if backward:
+                if not loss.requires_grad:
+                    raise RuntimeError("the loss does not depend on any trainable parameter")
+                loss.backward()
+            metrics = {**metrics, "tokens:sum": mask.sum()}
+    detached = logprobs.detach().cpu()
+    lengths = [d.length for d in datums]
+    names = list(metrics)
+    # One device->host copy for all metrics instead of one sync per value.
+    values = (
+        torch.stack([metrics[n].detach().float().reshape(()) for n in names]).cpu().tolist()
+        if names
+        else []
+    )
+    return FwdBwdResult(
+        logprobs=[detached[i, :n] for i, n in enumerate(lengths)],
+        metrics=dict(zip(names, values, strict=True)),
+    )
+
+
+def forward_backward(
+    policy: Policy | Sequence[Policy],
+    datums: Sequence[Datum],
+    loss_fn: str | LossFn,
+    loss_fn_config: Mapping[str, float] | None = None,
+) -> FwdBwdResult:
+    """Compute the summed loss and add its gradients to each policy's accumulated gradients.
+
+    `policy` is one policy for all datums or one per datum. Gradients accumulate until
+    `optim_step`. Returns each datum's target log-probabilities and the loss metrics.
+    """
+    return _run(policy, datums, loss_fn, loss_fn_config, backward=True)
+
+
+def forward(
+    policy: Policy | Sequence[Policy],
+    datums: Sequence[Datum],
+    loss_fn: str | LossFn | None = None,
+    loss_fn_config: Mapping[str, float] | None = None,
+) -> FwdBwdResult:
+    """Like `forward_backward` without gradients; metrics only if a loss is named."""
+    return _run(policy, datums, loss_fn, loss_fn_config, backward=False)
+
+
+def optim_step(policy: Policy, adam: AdamParams | None = None) -> dict[str, float]:
+    """One AdamW step on the accumulated gradients, then clear them.
+
+    Clips the global gradient norm when `adam.grad_clip_norm` is set. A non-finite gradient norm
+    skips the update (the weights stay as they were) and is reported as `skipped = 1`.
+    """
+    adam = adam or AdamParams()
+    policy._check_open()
+    params = [p for p in policy.parameters() if p.grad is not None]
+    if params:
+        clip = adam.grad_clip_norm
+        if clip is not None and clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = float(grad_norm)
+    else:
+        norm = 0.0
+    skipped = not torch.isfinite(torch.tensor(norm)).item()
+    if not skipped:
+        for group in policy.optimizer.param_groups:
+            group["lr"] = adam.learning_rate
+            group["betas"] = (adam.beta1, adam.beta2)
+            group["eps"] = adam.eps
+            group["weight_decay"] = adam.weight_decay
+        policy.optimizer.step()
+        policy.step += 1
+    policy.zero_grad()
+    return {
+        "grad_norm": norm,
+        "learning_rate": adam.learning_rate,
+        "step": float(policy.step),
+        "skipped": float(skipped),
+    }

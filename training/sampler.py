@@ -1,0 +1,363 @@
+"""Batched sampling with a KV cache, where every row may use its own LoRA adapter.
+
+`generate` is the core: prompts are left-padded into one batch, prefilled once and decoded
+token by token from a `DynamicCache`, with an explicit `attention_mask` and `position_ids`
+(left padding shifts positions otherwise). Rows that finish are dropped from the batch (and
+from the cache), so a long straggler does not drag finished rows through every step. Each
+forward runs inside `LoRAHost.route(keys_per_row)`, so rows of different adapters share the
+base projections. Generation runs under `no_grad`, not `inference_mode`: the returned tokens
+are fed to training and inference tensors cannot be saved for backward.
+
+Returned logprobs are those of the model's own distribution (log-softmax of the raw logits,
+before temperature, top-k and top-p), i.e. what a forward pass over the same tokens gives; RL
+losses compare them against training-time logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache
+
+from training.types import SampledSequence, SamplingParams
+
+if TYPE_CHECKING:
+    from training.lora import LoRAHost
+
+# Seeds of the n samples of one request must differ; the stride keeps nearby seeds apart.
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class SampleRequest:
+    """One prompt to complete n times with one policy version (or the base model)."""
+
+    prompt_tokens: list[int]
+    """Prompt token ids (already rendered with the chat template if wanted)."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    """Number of independent samples."""
+    policy_id: str | None = None
+    """None: the base model."""
+    version: int | None = None
+    """A published snapshot of `policy_id`; None: its live training weights."""
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = [int(t) for t in self.prompt_tokens]
+        if not self.prompt_tokens:
+            raise ValueError("prompt_tokens must not be empty")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.version is not None and self.policy_id is None:
+            raise ValueError("version given without policy_id")
+
+
+def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Tokenizer eos plus the eos ids of the model's generation config."""
+    ids: list[int] = []
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    if isinstance(extra, int):
+        extra = [extra]
+    for token in extra or []:
+        if int(token) not in ids:
+            ids.append(int(token))
+    return ids
+
+
+def _row_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed((int(seed) * _SEED_STRIDE + sample_index) % (2**63 - 1))
+    return gen
+
+
+def _choose_tokens(
+    logits_B_V: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    generators: list[torch.Generator | None],
+    any_filter: bool,
+) -> torch.Tensor:
+    """Next token per row: argmax where temperature is 0, else a filtered categorical draw."""
+    greedy_B = temperature_B == 0
+    tokens_B = logits_B_V.argmax(dim=-1)
+    if bool(greedy_B.all()):
+        return tokens_B
+    scaled = logits_B_V / torch.where(greedy_B, 1.0, temperature_B).unsqueeze(-1)
+    if any_filter:
+        sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
+        vocab = scaled.shape[-1]
+        ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)  # (1, V)
+        k_B = torch.where(top_k_B > 0, top_k_B, vocab).unsqueeze(-1)
+        drop = ranks >= k_B
+        probs_sorted = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+        drop |= mass_before >= top_p_B.unsqueeze(-1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+    probs_B_V = torch.softmax(scaled, dim=-1)
+    shared = [i for i, g in enumerate(generators) if g is None and not bool(greedy_B[i])]
+    if shared:
+        rows = torch.tensor(shared, device=scaled.device)
+        tokens_B[rows] = torch.multinomial(probs_B_V[rows], 1).squeeze(-1)
+    for i, gen in enumerate(generators):
+        if gen is not None and not bool(greedy_B[i]):
+            tokens_B[i] = torch.multinomial(probs_B_V[i], 1, generator=gen)[0]
+    return tokens_B
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    adapters: Sequence[str | None] | None = None,
+    host: LoRAHost | None = None,
+    sample_indices: Sequence[int] | None = None,
+    stop_on_eos: bool = True,
+) -> list[SampledSequence]:
+    """Complete each prompt once; row i uses `params[i]` and LoRA adapter `adapters[i]`.
+
+    `sample_indices[i]` distinguishes the seeded samples of one request (default: 0).
+    `stop_on_eos=False` decodes to `max_tokens` unless a stop id/string is given (benchmarks).
+    """
+    n_rows = len(prompts)
+    if n_rows == 0:
+        return []
+    row_params = [params] * n_rows if isinstance(params, SamplingParams) else list(params)
+    if len(row_params) != n_rows:
+        raise ValueError(f"{len(row_params)} SamplingParams for {n_rows} prompts")
+    keys = [None] * n_rows if adapters is None else list(adapters)
+    if len(keys) != n_rows:
+        raise ValueError(f"{len(keys)} adapters for {n_rows} prompts")
+    if any(k is not None for k in keys) and host is None:
+        raise ValueError("adapters given but no LoRAHost to route them")
+    indices = [0] * n_rows if sample_indices is None else list(sample_indices)
+
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if max_positions and len(prompt) + row_params[i].max_tokens > max_positions:
+            raise ValueError(
+                f"prompt {i}: {len(prompt)} tokens + max_tokens {row_params[i].max_tokens} exceed "
+                f"the model's {max_positions} positions"
+            )
+
+    base_stops = default_stop_ids(model, tokenizer) if stop_on_eos else []
+    stop_sets = [set(base_stops) | set(p.stop_token_ids) for p in row_params]
+    stop_strings = [p.stop for p in row_params]
+    # A stop string of k characters spans at most 4k byte-level tokens: decode only that tail.
+    windows = [4 * max((len(s) for s in strs), default=0) + 1 for strs in stop_strings]
+    max_tokens = [p.max_tokens for p in row_params]
+    generators = [_row_generator(p.seed, idx, device) for p, idx in zip(row_params, indices)]
+    any_filter = any(p.top_p < 1.0 or p.top_k > 0 for p in row_params)
+
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else None
+    pad_id = int(pad_id) if pad_id is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids_B_L = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    mask_B_L = torch.zeros((n_rows, width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids_B_L[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask_B_L[i, width - len(prompt) :] = 1
+    input_ids_B_L = input_ids_B_L.to(device)
+    mask_B_L = mask_B_L.to(device)
+    positions_B_L = (mask_B_L.cumsum(-1) - 1).clamp(min=0)
+
+    temperature_B = torch.tensor([p.temperature for p in row_params], device=device)
+    top_p_B = torch.tensor([p.top_p for p in row_params], device=device)
+    top_k_B = torch.tensor([p.top_k for p in row_params], device=device)
+
+    out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
+    reasons: list[str] = ["length"] * n_rows
+    active = list(range(n_rows))  # original row index of each batch row
+
+    def route(active_rows: list[int]):  # noqa: ANN202 - context manager
+        row_keys = [keys[r] for r in active_rows]
+        if host is None or all(k is None for k in row_keys):
+            return nullcontext()
+        return host.route(row_keys)
+
+    cache = DynamicCache(config=model.config)
+    with route(active):
+        out = model(
+            input_ids=input_ids_B_L,
+            attention_mask=mask_B_L,
+            position_ids=positions_B_L,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    cache = out.cache
+    logits_B_V = out.logits[:, -1, :].float()
+    next_pos_B = positions_B_L[:, -1:] + 1
+
+    while True:
+        gens = [generators[r] for r in active]
+        tokens_B = _choose_tokens(logits_B_V, temperature_B, top_p_B, top_k_B, gens, any_filter)
+        logprobs_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, tokens_B.unsqueeze(-1))
+        tokens_list = tokens_B.tolist()
+        logprob_list = logprobs_B.squeeze(-1).tolist()
+        keep: list[int] = []
+        for b, row in enumerate(active):
+            token = tokens_list[b]
+            out_tokens[row].append(token)
+            out_logprobs[row].append(logprob_list[b])
+            done = token in stop_sets[row]
+            if not done and stop_strings[row] and tokenizer is not None:
+                tail = tokenizer.decode(out_tokens[row][-windows[row] :], skip_special_tokens=False)
+                done = any(s in tail for s in stop_strings[row])
+            if done:
+                reasons[row] = "stop"
+            elif len(out_tokens[row]) < max_tokens[row]:
+                keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            # Drop finished rows everywhere: cache, mask, positions and per-row settings.
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            mask_B_L = mask_B_L.index_select(0, idx)
+            next_pos_B = next_pos_B.index_select(0, idx)
+            temperature_B, top_p_B, top_k_B = (
+                t.index_select(0, idx) for t in (temperature_B, top_p_B, top_k_B)
+            )
+            tokens_B = tokens_B.index_select(0, idx)
+            active = [active[b] for b in keep]
+        mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(active), 1))], dim=1)
+        with route(active):
+            out = model(
+                input_ids=tokens_B.unsqueeze(-1),
+                attention_mask=mask_B_L,
+                position_ids=next_pos_B,
+                cache=cache,
+                use_cache=True,
+            )
+        cache = out.cache
+        logits_B_V = out.logits[:, -1, :].float()
+        next_pos_B = next_pos_B + 1
+
+    return [
+        SampledSequence(tokens=out_tokens[i], logprobs=out_logprobs[i], stop_reason=reasons[i])  # type: ignore[arg-type]
+        for i in range(n_rows)
+    ]
+
+
+def _resolve(engine: Any, policy_id: str | None, version: int | None) -> tuple[Any, str | None]:
+    resolve = getattr(engine, "resolve", None)
+    if resolve is None:
+        if policy_id is not None:
+            raise ValueError("this engine has no policies; use policy_id=None")
+        return engine.model, None
+    return resolve(policy_id, version)
+
+
+def sample(engine: Any, requests: Sequence[SampleRequest]) -> list[list[SampledSequence]]:
+    """Serve many requests, of many adapters, in as few batches as possible.
+
+    All rows that run on the shared base model (the base itself and every LoRA version) go
+    into one multi-LoRA batch; fully fine-tuned policies run in one batch per model.
+    """
+    batches: dict[int, tuple[Any, list[tuple[int, int, str | None]]]] = {}
+    for r, request in enumerate(requests):
+        model, key = _resolve(engine, request.policy_id, request.version)
+        entry = batches.setdefault(id(model), (model, []))
+        entry[1].extend((r, j, key) for j in range(request.n))
+    results: list[list[SampledSequence | None]] = [[None] * rq.n for rq in requests]
+    host = getattr(engine, "host", None)
+    for model, rows in batches.values():
+        seqs = generate(
+            model,
+            engine.tokenizer,
+            [requests[r].prompt_tokens for r, _, _ in rows],
+            [requests[r].params for r, _, _ in rows],
+            adapters=[key for _, _, key in rows],
+            host=host,
+            sample_indices=[j for _, j, _ in rows],
+        )
+        for (r, j, _), seq in zip(rows, seqs):
+            results[r][j] = seq
+    return results  # type: ignore[return-value]
+
+
+def _parse_adapter(adapter: str | tuple[str, int | None] | None) -> tuple[str | None, int | None]:
+    if adapter is None:
+        return None, None
+    if isinstance(adapter, tuple):
+        policy_id, version = adapter
+        return policy_id, version
+    if "@" in adapter:
+        # A host snapshot key "policy@version".
+        policy_id, _, version = adapter.rpartition("@")
+        return policy_id, int(version)
+    return adapter, None
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: Any,
+    sequences: Sequence[Sequence[int]],
+    *,
+    adapters: Sequence[str | None] | None = None,
+    host: LoRAHost | None = None,
+) -> list[list[float | None]]:
+    """Per sequence: None for the first token, then log p(z[t] | z[:t]) for every later one."""
+    if not sequences:
+        return []
+    device = next(model.parameters()).device
+    n_rows = len(sequences)
+    width = max(len(s) for s in sequences)
+    if min(len(s) for s in sequences) == 0:
+        raise ValueError("sequences must not be empty")
+    # Right padding: real tokens keep positions 0..n-1, padding sits after them.
+    ids = torch.zeros((n_rows, width), dtype=torch.long)
+    mask = torch.zeros((n_rows, width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        mask[i, : len(seq)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    keys = [None] * n_rows if adapters is None else list(adapters)
+    ctx = host.route(keys) if host is not None and any(k is not None for k in keys) else nullcontext()
+    with ctx:
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()  # (B, T, V)
+    logp_B_T = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1))
+    logp_B_T = logp_B_T.squeeze(-1).cpu()
+    return [[None, *logp_B_T[i, : len(seq) - 1].tolist()] for i, seq in enumerate(sequences)]
+
+
+def compute_logprobs(
+    engine: Any,
+    adapter: str | tuple[str, int | None] | None,
+    tokens: Sequence[int],
+) -> list[float | None]:
+    """Score a sequence: None, then log p(tokens[t] | tokens[:t]) under `adapter`.
+
+    `adapter`: None (base model), a policy id (live weights), `(policy_id, version)` or a
+    snapshot key `"policy_id@version"`.
+    """
+    if len(tokens) == 0:
+        raise ValueError("tokens must not be empty")
+    policy_id, version = _parse_adapter(adapter)
+    model, key = _resolve(engine, policy_id, version)
+    return sequence_logprobs(
+        model, [list(tokens)], adapters=[key], host=getattr(engine, "host", None)
+    )[0]

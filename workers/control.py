@@ -1,0 +1,127 @@
+"""Cancelling a job that holds GPUs, and the reaper that ends what its worker abandoned."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from workers import audit, conf
+from workers.locktable import GpuLockTable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CANCEL_PREFIX", "cancel_running", "clear_cancel", "is_cancel_requested", "reap"]
+
+CANCEL_PREFIX = "ot:cancel:"
+# The flag outlives any job; it is deleted when the job's runner ends.
+CANCEL_FLAG_SECONDS = 8 * 24 * 3600
+
+
+def _table() -> GpuLockTable:
+    return GpuLockTable(conf.get_redis())
+
+
+def is_cancel_requested(job_id: str) -> bool:
+    return bool(conf.get_redis().exists(f"{CANCEL_PREFIX}{job_id}"))
+
+
+def clear_cancel(job_id: str) -> None:
+    conf.get_redis().delete(f"{CANCEL_PREFIX}{job_id}")
+
+
+def _revoke(task_id: str) -> None:
+    if not task_id:
+        return
+    from opentinker_site.celery import app
+
+    try:
+        # No terminate: a started runner stops at its next step and releases its own GPUs;
+        # killing it mid-write could leave a half-written checkpoint.
+        app.control.revoke(task_id)
+    except Exception:
+        log.exception("could not revoke task %s", task_id)
+
+
+def cancel_running(job_id: str) -> None:
+    """Stop a STARTING or RUNNING job (``jobs.services.cancel_job`` calls this on commit).
+
+    Sets the cancel flag the runner checks every step and revokes the Celery task. A job whose
+    task has not started yet has its lease taken back here and ends CANCELLED at once; a
+    started runner ends the job itself within one step. If the runner is gone, its lease
+    expires and the reaper ends the job CANCELLED.
+    """
+    from jobs import services
+    from jobs.models import Job, JobState
+
+    job_id = str(job_id)
+    conf.get_redis().set(f"{CANCEL_PREFIX}{job_id}", "1", ex=CANCEL_FLAG_SECONDS)
+    row = Job.objects.filter(pk=job_id).values("state", "attempt", "celery_task_id").first()
+    if row is None:
+        return
+    if row["state"] == JobState.STARTING and _table().release_unstarted(job_id):
+        audit.lease_ended(job_id, row["attempt"], "cancelled")
+        services.finish_job(job_id, JobState.CANCELLED, attempt=row["attempt"])
+        _revoke(row["celery_task_id"])
+        from workers.dispatcher import request_dispatch
+
+        request_dispatch()
+        return
+    _revoke(row["celery_task_id"])
+
+
+def reap() -> dict[str, Any]:
+    """Reclaim expired leases and end or requeue their jobs; then dispatch.
+
+    A job whose lease expired goes back to the queue with attempt + 1 (or FAILED after
+    ``OPENTINKER_MAX_ATTEMPTS``; or CANCELLED if a cancel was requested), through
+    ``jobs.services.requeue_job``. A STARTING/RUNNING job with no lease at all (Redis lost its
+    state) is treated the same once it has been silent for two lease periods. A node that let
+    a lease expire is withdrawn from placement until its worker refreshes it again.
+    """
+    from jobs import services
+    from jobs.models import ACTIVE_STATES, Job
+    from workers.dispatcher import request_dispatch
+
+    table = _table()
+    requeued: list[str] = []
+    reclaimed = [lease for lease in table.expired() if table.reclaim(lease)]
+    # A node that let a lease expire has most likely lost its worker: take it out of
+    # placement before requeueing (each requeue dispatches), so the job does not go straight
+    # back to it. A live worker's announcer marks it alive again within one heartbeat.
+    for node in {lease.node for lease in reclaimed}:
+        table.withdraw(node)
+    for lease in reclaimed:
+        audit.lease_ended(lease.job_id, None, "reaped")
+        row = Job.objects.filter(pk=lease.job_id).values("state", "attempt").first()
+        if row is None or row["state"] not in ACTIVE_STATES:
+            continue
+        reason = f"lease on {lease.node} expired: its worker stopped heartbeating"
+        if services.requeue_job(
+            lease.job_id, attempt=row["attempt"], reason=reason, max_attempts=conf.max_attempts()
+        ):
+            requeued.append(lease.job_id)
+        clear_cancel(lease.job_id)
+
+    silent_since = timezone.now() - timedelta(seconds=2 * conf.lease_seconds())
+    stale = Job.objects.filter(state__in=ACTIVE_STATES, heartbeat__lt=silent_since).values_list(
+        "id", "attempt"
+    )
+    for job_id, attempt in stale:
+        if table.lease_of(str(job_id)) is not None:
+            continue
+        if services.requeue_job(
+            job_id,
+            attempt=attempt,
+            reason="the job held no GPU lease (control-plane state lost)",
+            max_attempts=conf.max_attempts(),
+        ):
+            requeued.append(str(job_id))
+            audit.lease_ended(str(job_id), attempt, "reaped")
+    admitted = request_dispatch()
+    reclaimed_ids = [lease.job_id for lease in reclaimed]
+    if reclaimed or requeued:
+        log.info("reaper: reclaimed %s, requeued or ended %s", reclaimed_ids, requeued)
+    return {"reclaimed": reclaimed_ids, "requeued": requeued, "admitted": admitted}

@@ -1,0 +1,186 @@
+"""The dispatcher: admits queued jobs onto GPU blocks.
+
+Called after every submission commits and after every release (``request_dispatch``), and by
+the reaper. One pass, under a Redis lock so two dispatchers never admit the same job twice:
+
+1. Order the queued jobs by *effective priority*, then age (oldest first). Effective priority
+   is the job's priority plus one point per ``OPENTINKER_AGING_SECONDS`` spent waiting, so a
+   low-priority job does not wait forever behind a stream of high-priority ones.
+2. Walk that order and try to allocate each job's block (all-or-nothing, one node).
+3. A job that does not fit is skipped and smaller jobs behind it may *backfill* free GPUs,
+   but only while it has waited less than ``OPENTINKER_BACKFILL_WINDOW_SECONDS``. Once it has
+   waited longer it holds a *reservation*: the pass stops at it, nothing behind it is
+   admitted, and GPUs drain until it fits. A job larger than every live node gets no
+   reservation (it could block the queue for good while its node is down).
+
+An admitted job goes QUEUED -> STARTING (``jobs.services.mark_starting``, with the Celery task
+id saved for revocation) and ``workers.tasks.run_job`` is sent to ``gpu.<node>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.utils import timezone
+from redis.exceptions import LockError
+
+from workers import audit, conf
+from workers.locktable import GpuLockTable, Lease
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KEY_PREFIX", "Candidate", "admission_order", "dispatch_once", "request_dispatch"]
+
+KEY_PREFIX = "ot:dispatch:"
+LOCK_KEY = KEY_PREFIX + "lock"
+PENDING_KEY = KEY_PREFIX + "pending"
+# Far longer than one pass; only bounds how long a crashed dispatcher blocks the next one.
+LOCK_TIMEOUT_SECONDS = 60
+SCAN_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class Candidate:
+    job_id: str
+    priority: int
+    gpus: int
+    created: datetime
+    attempt: int
+    spec: dict[str, Any]
+
+    def effective_priority(self, now: datetime, aging_seconds: int) -> float:
+        waited = max(0.0, (now - self.created).total_seconds())
+        return self.priority + waited // aging_seconds
+
+    def waited(self, now: datetime) -> float:
+        return max(0.0, (now - self.created).total_seconds())
+
+
+def admission_order(
+    candidates: list[Candidate], now: datetime, aging_seconds: int
+) -> list[Candidate]:
+    return sorted(
+        candidates,
+        key=lambda c: (-c.effective_priority(now, aging_seconds), c.created, c.job_id),
+    )
+
+
+def _queued_candidates() -> list[Candidate]:
+    from jobs.models import Job, JobState
+
+    rows = (
+        Job.objects.filter(state=JobState.QUEUED)
+        .order_by("-priority", "created")
+        .values("id", "priority", "gpus_requested", "created", "attempt", "spec")[:SCAN_LIMIT]
+    )
+    return [
+        Candidate(
+            job_id=str(r["id"]),
+            priority=int(r["priority"]),
+            gpus=int(r["gpus_requested"]),
+            created=r["created"],
+            attempt=int(r["attempt"]),
+            spec=r["spec"] or {},
+        )
+        for r in rows
+    ]
+
+
+def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
+    """Mark the job STARTING and send its task; on any failure give the GPUs back."""
+    from jobs import services
+    from opentinker_site.celery import node_queue
+    from workers.tasks import run_job
+
+    task_id = str(uuid.uuid4())
+    if not services.mark_starting(
+        cand.job_id, node=lease.node, gpus=lease.gpu_ids, task_id=task_id
+    ):
+        # Cancelled (or taken) between the scan and now.
+        table.release(lease)
+        return False
+    audit.lease_acquired(lease, cand.attempt)
+    soft, hard = conf.task_time_limits(cand.spec)
+    try:
+        run_job.apply_async(
+            args=[cand.job_id],
+            kwargs={
+                "attempt": cand.attempt,
+                "node": lease.node,
+                "gpus": list(lease.gpus),
+                "lease_token": lease.token,
+            },
+            queue=node_queue(lease.node),
+            task_id=task_id,
+            soft_time_limit=soft,
+            time_limit=hard,
+        )
+    except Exception as exc:
+        log.exception("could not send job %s to gpu.%s", cand.job_id, lease.node)
+        table.release(lease)
+        audit.lease_ended(cand.job_id, cand.attempt, "abandoned")
+        services.requeue_job(
+            cand.job_id,
+            attempt=cand.attempt,
+            reason=f"could not send the job to its worker: {exc}",
+            max_attempts=conf.max_attempts(),
+        )
+        return False
+    log.info("job %s -> %s GPUs %s (task %s)", cand.job_id, lease.node, list(lease.gpus), task_id)
+    return True
+
+
+def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None) -> list[str]:
+    """One admission pass (the caller holds the dispatch lock). Returns admitted job ids."""
+    table = table or GpuLockTable(conf.get_redis())
+    now = now or timezone.now()
+    nodes = table.nodes()
+    alive_sizes = [len(i["gpus"]) for i in nodes.values() if i["alive"]]
+    if not alive_sizes:
+        return []  # nothing could be placed: skip the queue scan (every submit lands here)
+    largest_alive = max(alive_sizes)
+    candidates = _queued_candidates()
+    if not candidates:
+        return []
+    aging, window, ttl = conf.aging_seconds(), conf.backfill_window_seconds(), conf.lease_seconds()
+    admitted: list[str] = []
+    for cand in admission_order(candidates, now, aging):
+        lease = table.allocate(cand.job_id, cand.gpus, ttl)
+        if lease is None:
+            if cand.gpus <= largest_alive and cand.waited(now) >= window:
+                log.info("job %s (%d GPUs) reserves the pool: no backfill", cand.job_id, cand.gpus)
+                break
+            continue
+        if _start(table, cand, lease):
+            admitted.append(cand.job_id)
+    return admitted
+
+
+def request_dispatch() -> list[str]:
+    """Run dispatch passes until no request is pending; returns the job ids admitted here.
+
+    Never blocks on another dispatcher: a caller that finds the lock taken leaves a pending
+    mark, and the holder runs one more pass before it lets go, so no request is lost.
+    """
+    client = conf.get_redis()
+    table = GpuLockTable(client)
+    admitted: list[str] = []
+    client.set(PENDING_KEY, "1")
+    while True:
+        lock = client.lock(LOCK_KEY, timeout=LOCK_TIMEOUT_SECONDS, blocking=False)
+        if not lock.acquire(blocking=False):
+            return admitted
+        try:
+            client.delete(PENDING_KEY)
+            admitted.extend(dispatch_once(table))
+        finally:
+            try:
+                lock.release()
+            except LockError:  # expired under a very slow pass: the next holder carries on
+                log.warning("dispatch lock expired before release")
+        if not client.exists(PENDING_KEY):
+            return admitted

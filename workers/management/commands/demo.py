@@ -1,0 +1,190 @@
+"""``manage.py demo``: from nothing to a finished job, through the public HTTP API.
+
+Creates (or reuses) a demo user, team and quota, issues an API key and prints it, starts
+``manage.py serve`` in the background unless ``--url`` points at a running service, submits
+a demo job with the key and follows it, printing each step's metrics, until it ends. Exits 0
+when the job SUCCEEDED.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
+
+DEMO_USER = "demo"
+DEMO_TEAM = "demo"
+FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def free_port(preferred: int) -> int:
+    for port in (preferred, 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise CommandError("no free TCP port")
+
+
+def demo_key() -> tuple[str, str]:
+    """(team slug, plaintext key): the demo user and team, created once, and a new key."""
+    from django.contrib.auth import get_user_model
+
+    from accounts.keys import issue_key
+    from accounts.models import Membership, Team
+
+    with transaction.atomic():
+        user, created = get_user_model().objects.get_or_create(username=DEMO_USER)
+        if created:
+            user.set_unusable_password()
+            user.save()
+        team, _ = Team.objects.get_or_create(slug=DEMO_TEAM, defaults={"name": "Demo"})
+        Membership.objects.get_or_create(
+            user=user, team=team, defaults={"role": Membership.Role.OWNER}
+        )
+        quota = team.quota
+        quota.max_gpus = max(quota.max_gpus, 2)
+        quota.max_queued_jobs = max(quota.max_queued_jobs, 20)
+        quota.save()
+        _, plaintext = issue_key(team, user, f"demo {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    return team.slug, plaintext
+
+
+class Command(BaseCommand):
+    help = "Create a demo user, team and API key, start the service, run a demo job to the end."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--url", help="A running service; default: start `serve` here.")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--key", help="Use this API key instead of issuing a demo key.")
+        parser.add_argument("--steps", type=int, default=8, help="Steps of the demo job.")
+        parser.add_argument("--step-seconds", type=float, default=0.5)
+        parser.add_argument("--timeout", type=float, default=300.0, help="Seconds to wait.")
+        parser.add_argument(
+            "--keep-serving", action="store_true", help="Leave the service running afterwards."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        import logging
+
+        import httpx
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        server: subprocess.Popen[bytes] | None = None
+        url = options["url"]
+        if url is None:
+            call_command("migrate", interactive=False, verbosity=0)
+        key = options["key"]
+        if not key:
+            team, key = demo_key()
+            self.stdout.write(f"demo user '{DEMO_USER}', team '{team}', API key (shown once):")
+            self.stdout.write(f"  {key}")
+        try:
+            if url is None:
+                port = free_port(options["port"])
+                url = f"http://127.0.0.1:{port}"
+                log_path = Path(settings.OPENTINKER_DATA_DIR) / "serve.log"
+                with open(log_path, "ab") as log_file:
+                    server = subprocess.Popen(
+                        [sys.executable, str(settings.BASE_DIR / "manage.py"), "serve",
+                         "--port", str(port), "--no-migrate"],
+                        env=dict(os.environ), cwd=settings.BASE_DIR, start_new_session=True,
+                        stdout=log_file, stderr=subprocess.STDOUT,
+                    )
+                self.stdout.write(f"started the service at {url} (log: {log_path})")
+            url = url.rstrip("/")
+            with httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            ) as client:
+                self._wait_up(client, server, options["timeout"])
+                state = self._run_demo_job(client, options)
+        finally:
+            if server is not None and not options["keep_serving"]:
+                self.stdout.write("stopping the service")
+                _stop(server)
+        if state != "SUCCEEDED":
+            raise CommandError(f"the demo job ended {state}")
+        self.stdout.write(self.style.SUCCESS("demo job SUCCEEDED"))
+
+    def _wait_up(
+        self, client: Any, server: subprocess.Popen[bytes] | None, timeout: float
+    ) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if server is not None and server.poll() is not None:
+                raise CommandError(
+                    f"the service exited with status {server.returncode}; see its log"
+                )
+            try:
+                if client.get("/healthz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise CommandError(f"the service did not answer within {timeout:.0f} s")
+
+    def _run_demo_job(self, client: Any, options: dict[str, Any]) -> str:
+        spec = {
+            "method": "smoke",
+            "smoke_steps": options["steps"],
+            "smoke_step_seconds": options["step_seconds"],
+        }
+        response = client.post("/api/v1/jobs", json={"name": "demo", "spec": spec})
+        if response.status_code != 201:
+            raise CommandError(f"submit failed: HTTP {response.status_code} {response.text}")
+        job = response.json()
+        job_id = job["id"]
+        self.stdout.write(f"submitted job {job_id} ({spec['method']}, {spec['smoke_steps']} steps)")
+        state, last_step = "", 0
+        deadline = time.monotonic() + options["timeout"]
+        while time.monotonic() < deadline:
+            job = client.get(f"/api/v1/jobs/{job_id}").json()
+            if job["state"] != state:
+                state = job["state"]
+                where = f" on {job.get('node')}" if job.get("node") else ""
+                self.stdout.write(f"  state {state}{where} (attempt {job.get('attempt')})")
+            last_step = self._print_metrics(client, job_id, last_step)
+            if state in FINAL:
+                if job.get("error_message"):
+                    self.stdout.write(f"  error: {job['error_code']}: {job['error_message']}")
+                return state
+            time.sleep(0.5)
+        raise CommandError(f"job {job_id} still {state} after {options['timeout']:.0f} s")
+
+    def _print_metrics(self, client: Any, job_id: str, last_step: int) -> int:
+        series = client.get(
+            f"/api/v1/jobs/{job_id}/metrics", params={"since_step": last_step + 1}
+        ).json()["series"]
+        by_step: dict[int, dict[str, float]] = {}
+        for name, points in series.items():
+            for step, value in points:
+                by_step.setdefault(int(step), {})[name] = value
+        for step in sorted(by_step):
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(by_step[step].items()))
+            self.stdout.write(f"  step {step}: {shown}")
+            last_step = max(last_step, step)
+        return last_step
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=5)

@@ -1,0 +1,76 @@
+"""``manage.py runworker``: a Celery worker for this node (GPU work, control, env), with beat.
+
+A thin wrapper over ``celery worker``: it picks the queues (``control,gpu,gpu.<node>,env``),
+sizes the pool to the node's slots plus one for control tasks, and embeds beat unless told
+not to. The worker announces the node's GPUs (or CPU slots) when it is ready.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+
+class Command(BaseCommand):
+    help = "Run a Celery worker for this node: queues control, gpu, gpu.<node>, env; beat on."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--node", help="Node name (default: OPENTINKER_NODE_NAME or host).")
+        parser.add_argument(
+            "--queues",
+            default="control,gpu,env",
+            help="Queues to consume; a worker on gpu also consumes gpu.<node>.",
+        )
+        parser.add_argument(
+            "--concurrency", type=int, help="Pool size (default: the node's slots + 1)."
+        )
+        parser.add_argument("--pool", default="prefork", help="Celery pool (default prefork).")
+        parser.add_argument("--no-beat", action="store_true", help="Do not embed celery beat.")
+        parser.add_argument("--loglevel", default="INFO")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["node"]:
+            if ":" in options["node"] or not options["node"].strip():
+                raise CommandError("--node must be a non-empty name without ':'")
+            # The worker's child processes and signal handlers read the node from here.
+            os.environ["OPENTINKER_NODE_NAME"] = options["node"]
+        from opentinker_site.celery import app
+        from workers import conf
+        from workers.inventory import detect_inventory
+
+        inventory = detect_inventory()
+        node = conf.node_name()
+        if options["node"] and node != options["node"]:
+            raise CommandError(
+                f"settings.OPENTINKER_NODE_NAME={node!r} overrides --node {options['node']!r}"
+            )
+        queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
+        if not queues:
+            raise CommandError("--queues must name at least one queue")
+        # gpu.<node> is added by the worker itself (opentinker_site.celery), declared exactly
+        # as the dispatcher declares it when it publishes there.
+        queues = [q for q in queues if q != f"gpu.{node}"]
+        shown = [*queues, f"gpu.{node}"] if "gpu" in queues else queues
+        concurrency = options["concurrency"] or len(inventory.gpus) + 1
+        if concurrency < 1:
+            raise CommandError("--concurrency must be >= 1")
+        argv = [
+            "worker",
+            f"--queues={','.join(queues)}",
+            f"--concurrency={concurrency}",
+            f"--pool={options['pool']}",
+            f"--hostname={node}@%h",
+            f"--loglevel={options['loglevel']}",
+            # Gossip and mingle chatter slow start-up and buy nothing with one Redis broker.
+            "--without-gossip",
+            "--without-mingle",
+        ]
+        if not options["no_beat"]:
+            argv.append("--beat")
+        self.stdout.write(
+            f"worker for node {node}: {inventory.kind} {inventory.gpus}, queues {shown}, "
+            f"concurrency {concurrency}, beat {'off' if options['no_beat'] else 'on'}"
+        )
+        app.worker_main(argv)

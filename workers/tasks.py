@@ -1,0 +1,157 @@
+"""Celery tasks: ``run_job`` on ``gpu.<node>``, ``dispatch`` and ``reap`` on ``control``.
+
+Tasks take primary keys and JSON only. ``run_job`` owns one attempt of one job: it proves it
+still holds the lease, marks the job RUNNING, runs the runner with a background thread
+renewing the lease every TTL/3, finishes the job through ``jobs.services`` and releases the
+GPUs, whatever happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+from django.conf import settings
+
+from workers import audit, conf
+from workers.locktable import GpuLockTable, Lease
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews a lease every heartbeat interval; tells the context when the lease is lost."""
+
+    def __init__(self, table: GpuLockTable, lease: Lease, on_lost: Any) -> None:
+        super().__init__(name=f"lease-{lease.job_id}", daemon=True)
+        self.table = table
+        self.lease = lease
+        self.on_lost = on_lost
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(conf.heartbeat_interval()):
+            try:
+                if self.table.renew(self.lease, conf.lease_seconds()) is None:
+                    log.warning("job %s lost its lease", self.lease.job_id)
+                    self.on_lost()
+                    return
+            except Exception:
+                # Redis briefly unreachable: the lease has two more intervals before it expires.
+                log.exception("could not renew the lease of job %s", self.lease.job_id)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=5)
+
+
+def job_workdir(job_id: str) -> Path:
+    base = Path(getattr(settings, "OPENTINKER_DATA_DIR", "var"))
+    path = base / "jobs" / str(job_id)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _node_kind(table: GpuLockTable, node: str) -> str:
+    info = table.nodes().get(node)
+    return str(info["kind"]) if info else "gpu"
+
+
+@shared_task(name="workers.tasks.run_job", acks_late=True, ignore_result=True)
+def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_token: str) -> str:
+    """Run one attempt of a job on the GPUs its lease names. Returns the outcome for logs."""
+    from jobs import services
+    from jobs.models import Job, JobState
+    from workers import control, runners
+    from workers.dispatcher import request_dispatch
+
+    table = GpuLockTable(conf.get_redis())
+    lease = Lease(job_id=str(job_id), node=node, gpus=tuple(gpus), token=lease_token)
+    # Proves the lease is still ours (a cancel or the reaper may have taken it while the task
+    # waited in the queue) and marks it started so a cancel can no longer take it from under us.
+    if table.renew(lease, conf.lease_seconds(), start=True) is None:
+        log.info("job %s attempt %s: lease gone before start, nothing to do", job_id, attempt)
+        return "lease-lost"
+    row = Job.objects.filter(pk=job_id).values("spec").first()
+    if row is None or not services.mark_running(job_id, attempt=attempt):
+        table.release(lease)
+        audit.lease_ended(str(job_id), attempt, "abandoned")
+        request_dispatch()
+        return "not-startable"
+
+    spec: dict[str, Any] = row["spec"] or {}
+    ctx = runners.JobContext(
+        job_id=str(job_id),
+        attempt=attempt,
+        spec=spec,
+        devices=_devices(table, node, gpus),
+        workdir=job_workdir(job_id),
+        node=node,
+        gpus=list(gpus),
+        cancel_check=control.is_cancel_requested,
+        heartbeat_interval=conf.heartbeat_interval(),
+    )
+    keeper = LeaseKeeper(table, lease, ctx.lose_lease)
+    keeper.start()
+    state, code, message = JobState.SUCCEEDED, "", ""
+    try:
+        runner = runners.get_runner(str(spec.get("method", "")))
+        runner(ctx)
+        if ctx.stop_reason == "cancelled":
+            state = JobState.CANCELLED
+    except runners.JobCancelled:
+        state = JobState.CANCELLED
+    except runners.LeaseLost:
+        ctx.lose_lease()
+    except SoftTimeLimitExceeded:
+        state, code = JobState.FAILED, "timeout"
+        message = f"exceeded its max runtime of {conf.job_max_runtime(spec)} s"
+    except runners.UnknownMethod as exc:
+        state, code, message = JobState.FAILED, "unknown_method", str(exc)
+    except Exception as exc:
+        state, code = JobState.FAILED, "runner_error"
+        tail = "".join(traceback.format_exception(exc)[-3:])
+        message = f"{type(exc).__name__}: {exc}\n{tail}"
+        log.exception("job %s failed", job_id)
+    finally:
+        keeper.stop()
+
+    if ctx.lease_lost:
+        # The reaper (or a cancel) owns the job now; this attempt's outcome does not count.
+        outcome = "lease-lost"
+    else:
+        finished = services.finish_job(
+            job_id, state, attempt=attempt, error_code=code, error_message=message
+        )
+        outcome = state.lower() if finished else "stale"
+    if table.release(lease):
+        audit.lease_ended(str(job_id), attempt, "released")
+    control.clear_cancel(str(job_id))
+    request_dispatch()
+    log.info("job %s attempt %s: %s", job_id, attempt, outcome)
+    return outcome
+
+
+def _devices(table: GpuLockTable, node: str, gpus: list[int]) -> list[str]:
+    from workers.inventory import device_names
+
+    return device_names(_node_kind(table, node), gpus)
+
+
+@shared_task(name="workers.tasks.dispatch", ignore_result=True)
+def dispatch() -> list[str]:
+    from workers.dispatcher import request_dispatch
+
+    return request_dispatch()
+
+
+@shared_task(name="workers.tasks.reap", ignore_result=True)
+def reap() -> dict[str, Any]:
+    from workers.control import reap as reap_now
+
+    return reap_now()
