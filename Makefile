@@ -33,6 +33,7 @@ datasets: install
 	$(PY) scripts/build_datasets.py
 
 test: install
+	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
 	$(MAKE) test-embedded
 	$(MAKE) test-services
 

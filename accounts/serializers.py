@@ -109,3 +109,11 @@ class ApiKeyRotateSerializer(serializers.Serializer):
         if value is not None and value <= timezone.now():
             raise serializers.ValidationError("must be in the future.")
         return value
+
+
+class MeSerializer(serializers.Serializer):
+    """The shape of ``GET /api/v1/me`` (documentation only)."""
+
+    username = serializers.CharField()
+    teams = TeamSerializer(many=True)
+    key = ApiKeySerializer(allow_null=True, help_text="The API key in use; null for a session.")

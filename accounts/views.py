@@ -11,6 +11,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from . import keys
 from .exceptions import Conflict
@@ -21,6 +22,7 @@ from .serializers import (
     ApiKeyRotateSerializer,
     ApiKeySerializer,
     IssuedApiKeySerializer,
+    MeSerializer,
     TeamSerializer,
 )
 
@@ -102,3 +104,24 @@ class ApiKeyViewSet(
         self._check_can_manage(key)
         keys.revoke_key(key)
         return Response(ApiKeySerializer(key, context={"request": request}).data)
+
+
+class MeView(APIView):
+    """Who the caller is: the user, their teams and, with key auth, the key in use.
+
+    What ``opentinker whoami`` shows; with an API key only the key's team is listed, since
+    that is all the key can act for.
+    """
+
+    @extend_schema(responses={200: MeSerializer})
+    def get(self, request: Request) -> Response:
+        key = request.auth if isinstance(request.auth, ApiKey) else None
+        teams = Team.objects.filter(pk__in=team_ids_for(request)).order_by("slug")
+        context = {"request": request}
+        return Response(
+            {
+                "username": request.user.get_username(),
+                "teams": TeamSerializer(teams, many=True, context=context).data,
+                "key": None if key is None else ApiKeySerializer(key, context=context).data,
+            }
+        )

@@ -68,6 +68,25 @@ class MetricSeriesSerializer(serializers.Serializer):
     )
 
 
+class CheckpointSerializer(serializers.Serializer):
+    name = serializers.CharField(help_text="e.g. 'step-000020'.")
+    step = serializers.IntegerField(help_text="Training steps done when it was saved.")
+    created = serializers.FloatField(help_text="Unix time of the save.")
+    attempt = serializers.IntegerField(allow_null=True)
+    eval = serializers.DictField(child=serializers.FloatField(), help_text="Last eval metrics.")
+    size_bytes = serializers.IntegerField()
+    download = serializers.URLField()
+
+
+class ArtifactSerializer(serializers.Serializer):
+    name = serializers.CharField(help_text="'adapter', 'model', 'summary.json' or 'eval/...'.")
+    kind = serializers.CharField(help_text="adapter | model | summary | eval")
+    format = serializers.CharField(help_text="How the download comes: zip, json or jsonl.")
+    files = serializers.ListField(child=serializers.CharField())
+    size_bytes = serializers.IntegerField()
+    download = serializers.URLField()
+
+
 class QuotaLimitsSerializer(serializers.Serializer):
     max_gpus = serializers.IntegerField()
     max_queued_jobs = serializers.IntegerField()

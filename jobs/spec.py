@@ -10,10 +10,37 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 CURRENT_VERSION = 1
 MAX_RUNTIME_S = 7 * 86400
+ALL_LINEAR = "all-linear"
+# Fields that only a training job (rl / sft) reads; a smoke job refuses them.
+TRAINING_FIELDS = (
+    "algorithm",
+    "rollout",
+    "lora",
+    "full_finetune",
+    "optimizer",
+    "steps",
+    "batch_size",
+    "eval_every",
+    "eval_examples",
+    "checkpoint_every",
+    "seed",
+    "runner",
+    "env_config",
+)
+# Fields only RL reads: SFT has no sampler and no advantages.
+RL_ONLY_FIELDS = ("algorithm", "rollout")
 
 
 class SpecError(ValueError):
@@ -22,6 +49,135 @@ class SpecError(ValueError):
     def __init__(self, errors: list[dict[str, str]]) -> None:
         self.errors = errors
         super().__init__("; ".join(f"{e['field'] or '(spec)'}: {e['reason']}" for e in errors))
+
+
+class _FieldErrors(ValueError):
+    """Errors of a model validator, each naming a field relative to the model."""
+
+    def __init__(self, errors: list[tuple[str, str]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{f}: {r}" for f, r in errors))
+
+
+def _changed(model: BaseModel, name: str) -> bool:
+    """Set to something other than its default.
+
+    Comparing with the default (not just "was set") keeps a stored spec, which lists every
+    field with its value, valid when parsed again.
+    """
+    if name not in model.model_fields_set:
+        return False
+    info = type(model).model_fields[name]
+    return bool(getattr(model, name) != info.get_default(call_default_factory=True))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class AlgorithmSpec(_Section):
+    """How rewards become a gradient (method 'rl')."""
+
+    advantage: Literal["grpo", "rloo", "grpo_per_step", "baseline"] = Field(
+        "grpo",
+        description=(
+            "Advantage estimator: 'grpo' (reward minus group mean), 'rloo' (leave-one-out), "
+            "'grpo_per_step' (per-turn returns, multi-turn envs), 'baseline' (reward minus "
+            "`baseline`)."
+        ),
+    )
+    normalize_std: bool = Field(
+        False, description="grpo: divide by the group's reward std (Dr. GRPO leaves it off)."
+    )
+    baseline: float = Field(0.0, ge=-1e6, le=1e6, description="'baseline' only: the constant.")
+    loss: Literal["importance_sampling", "ppo", "cispo", "dro"] = Field(
+        "importance_sampling", description="Policy loss (training.losses)."
+    )
+    clip_low: float = Field(0.8, ge=0.0, le=1.0, description="ppo/cispo: lower ratio clip.")
+    clip_high: float = Field(1.2, ge=1.0, le=10.0, description="ppo/cispo: upper ratio clip.")
+    dro_beta: float = Field(0.05, ge=0.0, le=100.0, description="dro: quadratic penalty beta.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="Per-token KL penalty against the base model, folded into the advantage; 0 = off.",
+    )
+
+    @model_validator(mode="after")
+    def _options_fit_the_choice(self) -> AlgorithmSpec:
+        errors = []
+        owners = {
+            "clip_low": ("ppo", "cispo"),
+            "clip_high": ("ppo", "cispo"),
+            "dro_beta": ("dro",),
+        }
+        for name, losses in owners.items():
+            if _changed(self, name) and self.loss not in losses:
+                errors.append((name, f"applies only to loss {' or '.join(losses)}"))
+        if _changed(self, "baseline") and self.advantage != "baseline":
+            errors.append(("baseline", "applies only to advantage 'baseline'"))
+        if _changed(self, "normalize_std") and self.advantage not in ("grpo", "grpo_per_step"):
+            errors.append(("normalize_std", "applies only to advantage grpo or grpo_per_step"))
+        if errors:
+            raise _FieldErrors(errors)
+        return self
+
+
+class RolloutSpec(_Section):
+    """How each step samples (method 'rl')."""
+
+    group_size: int = Field(4, ge=1, le=256, description="Samples per prompt (G).")
+    prompts_per_step: int = Field(8, ge=1, le=1024, description="Groups (prompts) per step.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
+    max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens per model turn.")
+    max_turns: int = Field(8, ge=1, le=64, description="Most model turns per episode.")
+
+
+class LoRASpec(_Section):
+    """The adapter trained on the frozen base model."""
+
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r (at most the base model's).")
+    alpha: float = Field(32.0, gt=0.0, le=4096.0, description="LoRA alpha (scale alpha / r).")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        ALL_LINEAR,
+        description="Module name suffixes such as ['q_proj', 'v_proj'], or 'all-linear'.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules_named(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            if not value or len(value) > 64:
+                raise ValueError("give between 1 and 64 module names, or 'all-linear'")
+            if any(
+                not m or len(m) > 100 or not m.replace("_", "").replace(".", "").isalnum()
+                for m in value
+            ):
+                raise ValueError("module names are dotted identifiers such as 'q_proj'")
+            if len(set(value)) != len(value):
+                raise ValueError("module names must be distinct")
+        return value
+
+
+class OptimizerSpec(_Section):
+    """AdamW settings of every optim_step."""
+
+    lr: float = Field(1e-4, gt=0.0, le=1.0, description="Learning rate.")
+    betas: list[float] = Field(
+        default_factory=lambda: [0.9, 0.95], description="AdamW (beta1, beta2), each in [0, 1)."
+    )
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay.")
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, le=1e6, description="Clip the global grad norm to this; null = off."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _two_betas(cls, value: list[float]) -> list[float]:
+        if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("give two numbers in [0, 1): [beta1, beta2]")
+        return value
 
 
 class JobSpecV1(BaseModel):
@@ -59,6 +215,39 @@ class JobSpecV1(BaseModel):
         0.5, ge=0, le=60, description="Smoke job only: seconds of work per step."
     )
 
+    # --- training (rl / sft) --------------------------------------------------------------
+    env_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Settings of the environment's config (see GET /api/v1/environments).",
+    )
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL only.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="RL only.")
+    lora: LoRASpec = Field(default_factory=LoRASpec, description="The adapter to train.")
+    full_finetune: bool = Field(
+        False, description="Train every weight of a private copy instead (small models only)."
+    )
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW.")
+    steps: int = Field(100, ge=1, le=1_000_000, description="Optimizer steps to run.")
+    batch_size: int = Field(
+        32, ge=1, le=4096, description="SFT only: examples per step (RL: prompts x group)."
+    )
+    eval_every: int = Field(
+        0, ge=0, le=1_000_000, description="Evaluate on the test split every N steps; 0 = off."
+    )
+    eval_examples: int = Field(
+        64, ge=1, le=10_000, description="Test prompts per evaluation (greedy decoding)."
+    )
+    checkpoint_every: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description="Save the full training state every N steps (and at the end); 0 = end only.",
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds data order, adapter and sampling.")
+    runner: Literal["native", "verl"] = Field(
+        "native", description="'native' (this engine, CPU or GPU) or 'verl' (GPU at scale)."
+    )
+
     @field_validator("env")
     @classmethod
     def _env_for_training(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -79,10 +268,100 @@ class JobSpecV1(BaseModel):
     @field_validator("smoke_steps", "smoke_step_seconds")
     @classmethod
     def _smoke_fields_need_smoke(cls, value: Any, info: ValidationInfo) -> Any:
-        # Runs only for fields the caller set (defaults are not validated).
-        if info.data.get("method", "smoke") != "smoke":
+        # Runs only for fields the caller set (defaults are not validated); the default value
+        # itself passes so that a stored spec (every field written out) parses again.
+        default = cls.model_fields[str(info.field_name)].default
+        if info.data.get("method", "smoke") != "smoke" and value != default:
             raise ValueError("only valid with method 'smoke'")
         return value
+
+    @model_validator(mode="after")
+    def _combinations(self) -> JobSpecV1:
+        errors: list[tuple[str, str]] = []
+        if self.method == "smoke":
+            for name in TRAINING_FIELDS:
+                if _changed(self, name):
+                    errors.append((name, "only valid with method 'rl' or 'sft'"))
+        if self.method == "sft":
+            for name in RL_ONLY_FIELDS:
+                if _changed(self, name):
+                    errors.append((name, "only valid with method 'rl'"))
+        if self.method == "rl" and _changed(self, "batch_size"):
+            errors.append(("batch_size", "only valid with method 'sft' (RL: rollout sizes)"))
+        if self.full_finetune and _changed(self, "lora"):
+            errors.append(("lora", "give either `lora` or `full_finetune: true`, not both"))
+        if self.method in ("rl", "sft") and self.env is not None:
+            errors.extend(_env_errors(self))
+        if self.runner == "verl" and self.method == "sft":
+            errors.append(("runner", "the verl runner trains method 'rl' only"))
+        if errors:
+            raise _FieldErrors(errors)
+        return self
+
+
+def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
+    """Checks that need the environment registry (pure code, no database).
+
+    An unknown env name is left to ``check_contract`` at submission, which names it.
+    """
+    from environments.registry import ContractError, get_env, make_config
+    from environments.types import DataSource, Interaction
+
+    try:
+        env = get_env(str(spec.env))
+    except ContractError:
+        return []
+    errors: list[tuple[str, str]] = []
+    try:
+        make_config(env.name, spec.env_config)
+    except ContractError as exc:
+        errors.append((exc.field, exc.reason))
+    if spec.method == "sft" and env.data_source is not DataSource.DATASET:
+        errors.append(
+            ("env", f"method 'sft' learns from a dataset's answers; env {env.name!r} has none")
+        )
+    if spec.method == "rl":
+        multi = env.interaction is Interaction.MULTI_TURN
+        if spec.algorithm.advantage == "grpo_per_step" and not multi:
+            errors.append(
+                (
+                    "algorithm.advantage",
+                    f"'grpo_per_step' needs a multi-turn env; {env.name!r} is single turn",
+                )
+            )
+        if _changed(spec.rollout, "max_turns") and not multi:
+            errors.append(("rollout.max_turns", f"env {env.name!r} is single turn"))
+        if spec.algorithm.advantage == "rloo" and spec.rollout.group_size < 2:
+            errors.append(("rollout.group_size", "'rloo' needs at least 2 samples per group"))
+        if spec.env == "gomoku_selfplay" and spec.rollout.group_size % 2:
+            errors.append(("rollout.group_size", "self-play pairs episodes: give an even size"))
+    return errors
+
+
+def check_base_model_limits(
+    spec: JobSpecV1, *, max_lora_rank: int, max_context: int
+) -> list[dict[str, str]]:
+    """Errors of a training spec against its base model's registry limits (database side)."""
+    if spec.method not in ("rl", "sft"):
+        return []
+    errors = []
+    if not spec.full_finetune and spec.lora.rank > max_lora_rank:
+        errors.append(
+            {
+                "field": "lora.rank",
+                "reason": f"{spec.lora.rank} is above the max_lora_rank ({max_lora_rank}) "
+                f"of base model {spec.base_model!r}",
+            }
+        )
+    if spec.method == "rl" and spec.rollout.max_tokens >= max_context:
+        errors.append(
+            {
+                "field": "rollout.max_tokens",
+                "reason": f"must leave room for the prompt in base model {spec.base_model!r}'s "
+                f"context of {max_context} tokens",
+            }
+        )
+    return errors
 
 
 JobSpec = JobSpecV1
@@ -101,12 +380,20 @@ def parse_spec(data: Any) -> JobSpec:
     try:
         return model.model_validate(data)  # type: ignore[return-value]
     except ValidationError as exc:
-        raise SpecError(
-            [
-                {
-                    "field": ".".join(str(part) for part in err["loc"]),
-                    "reason": err["msg"].removeprefix("Value error, "),
-                }
-                for err in exc.errors()
-            ]
-        ) from exc
+        errors: list[dict[str, str]] = []
+        for err in exc.errors():
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, _FieldErrors):
+                prefix = "".join(f"{part}." for part in err["loc"])
+                errors.extend({"field": prefix + f, "reason": r} for f, r in cause.errors)
+                continue
+            # Union members add their type to the location (e.g. "lora.target_modules.list[str]").
+            loc = [str(part) for part in err["loc"] if not _is_type_tag(str(part))]
+            errors.append(
+                {"field": ".".join(loc), "reason": err["msg"].removeprefix("Value error, ")}
+            )
+        raise SpecError(errors) from exc
+
+
+def _is_type_tag(part: str) -> bool:
+    return part.startswith(("literal[", "list[", "function-")) or part in ("str", "int", "float")

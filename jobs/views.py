@@ -3,11 +3,13 @@ base-model list."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections import defaultdict
 
 from django.core.files.uploadhandler import FileUploadHandler, SkipFile
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import FileResponse, HttpRequest
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -22,11 +24,13 @@ from accounts.exceptions import Conflict
 from accounts.models import Quota
 from accounts.scoping import resolve_team, team_ids_for
 
-from . import datasets, services
+from . import artifacts, datasets, services
 from .filters import DatasetFilter, JobFilter
 from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
 from .serializers import (
+    ArtifactSerializer,
     BaseModelSerializer,
+    CheckpointSerializer,
     DatasetSerializer,
     DatasetUploadSerializer,
     JobCreateSerializer,
@@ -35,7 +39,7 @@ from .serializers import (
     MetricSeriesSerializer,
     QuotaSerializer,
 )
-from .spec import SpecError
+from .spec import SpecError, check_base_model_limits, parse_spec
 
 
 class EventCursorPagination(CursorPagination):
@@ -74,6 +78,7 @@ class JobViewSet(
         data.is_valid(raise_exception=True)
         team = resolve_team(request, data.validated_data.get("team"))
         try:
+            _check_model_limits(data.validated_data["spec"])
             job = services.submit_job(
                 team=team,
                 user=request.user,
@@ -149,6 +154,119 @@ class JobViewSet(
         for name, step, value in rows.order_by("name", "step").values_list("name", "step", "value"):
             series[name].append([step, value])
         return Response({"series": dict(series)})
+
+    @extend_schema(responses={200: CheckpointSerializer(many=True)})
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
+    def checkpoints(self, request: Request, pk: str | None = None) -> Response:
+        """Saved training states, oldest first; each downloads from its ``download`` URL."""
+        job = self.get_object()
+        rows = [
+            {**c, "download": request.build_absolute_uri(f"checkpoints/{c['name']}")}
+            for c in artifacts.checkpoints(job.pk)
+        ]
+        return Response(CheckpointSerializer(rows, many=True).data)
+
+    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    @action(
+        detail=True,
+        methods=["get"],
+        url_path=r"checkpoints/(?P<name>[A-Za-z0-9_.-]+)",
+        pagination_class=None,
+        filterset_class=None,
+    )
+    def checkpoint_download(
+        self, request: Request, pk: str | None = None, name: str = ""
+    ) -> FileResponse:
+        """The checkpoint's ``state.pt`` (weights, AdamW state, step, RNG; ``torch.load``)."""
+        job = self.get_object()
+        path = artifacts.checkpoint_file(job.pk, name)
+        if path is None:
+            raise NotFound(f"job has no checkpoint {name!r}")
+        return FileResponse(
+            path.open("rb"), as_attachment=True, filename=f"{job.pk}-{name}-state.pt"
+        )
+
+    @extend_schema(responses={200: ArtifactSerializer(many=True)})
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
+    def artifacts(self, request: Request, pk: str | None = None) -> Response:
+        """The final adapter (PEFT, as a zip), the run summary, the eval transcripts and the
+        metrics (``metrics.jsonl``, one ``{"step", "name", "value"}`` per line)."""
+        job = self.get_object()
+        found = artifacts.artifacts(job.pk)
+        metric_rows = JobMetric.objects.filter(job=job).count()
+        if metric_rows:
+            found.append(
+                {
+                    "name": artifacts.METRICS_ARTIFACT,
+                    "kind": "metrics",
+                    "format": "jsonl",
+                    "files": [artifacts.METRICS_ARTIFACT],
+                    "size_bytes": 0,  # written on download, from the job's metric rows
+                }
+            )
+        rows = [
+            {**a, "download": request.build_absolute_uri(f"artifacts/{a['name']}")} for a in found
+        ]
+        return Response(ArtifactSerializer(rows, many=True).data)
+
+    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    @action(
+        detail=True,
+        methods=["get"],
+        url_path=r"artifacts/(?P<name>[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)?)",
+        pagination_class=None,
+        filterset_class=None,
+    )
+    def artifact_download(
+        self, request: Request, pk: str | None = None, name: str = ""
+    ) -> FileResponse:
+        """One artifact: a directory (``adapter``, ``model``) as a zip, a file as it is."""
+        job = self.get_object()
+        if name == artifacts.METRICS_ARTIFACT:
+            rows = JobMetric.objects.filter(job=job).order_by("step", "name")
+            lines = (
+                json.dumps({"step": step, "name": metric, "value": value}) + "\n"
+                for step, metric, value in rows.values_list("step", "name", "value")
+            )
+            return FileResponse(
+                io.BytesIO("".join(lines).encode()),
+                as_attachment=True,
+                filename=f"{job.pk}-metrics.jsonl",
+                content_type="application/jsonl",
+            )
+        path = artifacts.artifact_path(job.pk, name)
+        if path is None:
+            raise NotFound(f"job has no artifact {name!r}")
+        if path.is_dir():
+            return FileResponse(
+                artifacts.zip_directory(path),
+                as_attachment=True,
+                filename=f"{job.pk}-{name}.zip",
+                content_type="application/zip",
+            )
+        return FileResponse(
+            path.open("rb"), as_attachment=True, filename=f"{job.pk}-{name.replace('/', '-')}"
+        )
+
+
+def _check_model_limits(raw_spec: dict[str, object]) -> None:
+    """Refuse a LoRA rank or a rollout length the base model's registry entry does not allow.
+
+    Runs before ``services.submit_job``, which does the rest of the checks; a spec that does
+    not parse or names an unknown model is left for it to report.
+    """
+    try:
+        spec = parse_spec(raw_spec)
+    except SpecError:
+        return
+    model = BaseModel.objects.filter(name=spec.base_model).first()
+    if model is None:
+        return
+    errors = check_base_model_limits(
+        spec, max_lora_rank=model.max_lora_rank, max_context=model.max_context
+    )
+    if errors:
+        raise SpecError(errors)
 
 
 class QuotaView(APIView):

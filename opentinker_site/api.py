@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from accounts.views import ApiKeyViewSet, TeamViewSet
+from accounts.views import ApiKeyViewSet, MeView, TeamViewSet
 from jobs.views import BaseModelViewSet, DatasetViewSet, JobViewSet, QuotaView
 
 # No trailing slash: the documented paths are /api/v1/jobs, /api/v1/jobs/{id}/cancel, ...
@@ -18,5 +18,6 @@ router.register("base-models", BaseModelViewSet, basename="basemodel")
 
 urlpatterns = [
     path("quota", QuotaView.as_view(), name="quota"),
+    path("me", MeView.as_view(), name="me"),
     *router.urls,
 ]

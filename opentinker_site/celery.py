@@ -60,6 +60,7 @@ def celery_settings() -> dict[str, Any]:
             "workers.tasks.dispatch": {"queue": "control"},
             "workers.tasks.reap": {"queue": "control"},
             "workers.tasks.run_job": {"queue": "gpu"},
+            "tinker_api.serve_base_model": {"queue": "gpu"},
         },
         # A GPU task occupies its worker for minutes: never reserve a second one behind it.
         "worker_prefetch_multiplier": 1,
@@ -110,9 +111,7 @@ def _announce_inventory(sender: Any, **kwargs: Any) -> None:
     controller = getattr(sender, "controller", None)
     pool_size = getattr(controller, "concurrency", None)
     serves_control = "control" in sender.app.amqp.queues.consume_from
-    inventory.start_announcer(
-        int(pool_size) if pool_size else None, serves_control=serves_control
-    )
+    inventory.start_announcer(int(pool_size) if pool_size else None, serves_control=serves_control)
 
 
 @worker_shutdown.connect

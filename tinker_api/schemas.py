@@ -31,16 +31,6 @@ TensorDtype = Literal["float32", "int64"]
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
 ErrorCategory = Literal["unknown", "server", "user"]
 StopReason = Literal["stop", "length"]
-LossFnName = Literal[
-    "cross_entropy",
-    "importance_sampling",
-    "ppo",
-    "cispo",
-    "dro",
-    "gspo",
-    "stable_reinforce",
-    "custom",
-]
 
 
 class TensorDataJson(BaseModel):

@@ -16,12 +16,12 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tinker_api import _proto
 from tinker_api import schemas as s
@@ -33,21 +33,29 @@ PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 # Bodies are limited after decompression too: a small zstd frame can expand enormously.
 DEFAULT_MAX_DECODED_BYTES = 256 * 1024 * 1024
+# A sparse input's dense shape is bounded separately: few bytes can name a huge shape.
+MAX_DENSE_ELEMENTS = 1 << 26
 
-LOSS_FNS = frozenset(
-    {
-        "cross_entropy",
-        "importance_sampling",
-        "ppo",
-        "cispo",
-        "dro",
-        "gspo",
-        "stable_reinforce",
-        "custom",
-    }
-)
 # loss_fn_inputs indexed by input position: their first dimension is the token count.
-PER_POSITION_INPUTS = frozenset({"target_tokens", "weights", "logprobs", "advantages"})
+PER_POSITION_INPUTS = frozenset(
+    {"target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"}
+)
+_RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
+# What each built-in loss reads. The SDK fills zero weights in when it runs a forward pass
+# for a custom loss, so cross_entropy without weights is a client bug, not a default. RL
+# datums carry no mask: prompt positions have zero advantages (cookbook rl/train.py drops
+# its "mask" before sending).
+REQUIRED_INPUTS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset({"target_tokens", "weights"}),
+    "importance_sampling": _RL_INPUTS,
+    "ppo": _RL_INPUTS,
+    "cispo": _RL_INPUTS,
+    "dro": _RL_INPUTS,
+    "gspo": _RL_INPUTS | {"sequence_ratio_mask"},
+    "stable_reinforce": _RL_INPUTS,
+    "custom": frozenset(),
+}
+LOSS_FNS = frozenset(REQUIRED_INPUTS)
 # The SDK folds chunked results with these reductions, read from the text after ":".
 METRIC_REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash2", "unique"})
 
@@ -235,10 +243,7 @@ def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
 
 
 def _decode_json_forward_backward(raw: bytes) -> ForwardBackwardBatch:
-    try:
-        req = s.ForwardBackwardRequestJson.model_validate_json(raw)
-    except ValidationError as exc:
-        raise WireError(f"invalid forward_backward JSON: {_first_errors(exc)}") from None
+    req = parse_json(s.ForwardBackwardRequestJson, raw)
     fbi = req.forward_backward_input
     data = []
     for i, datum in enumerate(fbi.data):
@@ -259,6 +264,36 @@ def _decode_json_forward_backward(raw: bytes) -> ForwardBackwardBatch:
         forward_only=req.forward_only,
         data=data,
     )
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_json(model: type[ModelT], body: bytes) -> ModelT:
+    """Validate a JSON request body, turning pydantic's errors into a 400 ``WireError``."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise WireError(f"invalid {model.__name__}: {_first_errors(exc)}") from None
+
+
+def sample_prompt(req: s.SampleRequest) -> list[int]:
+    """The prompt tokens of an ``/asample`` request, after the checks the SDK makes on its
+    side (``sampling_client.py``) and the refusal of features this server lacks."""
+    tokens = model_input_tokens(req.prompt)
+    if not tokens:
+        raise WireError("prompt has no tokens")
+    unsupported = req.unsupported_features()
+    if unsupported:
+        raise WireError(f"not supported by this server: {', '.join(unsupported)}")
+    if req.prompt_logprobs_last_n is not None:
+        if not req.prompt_logprobs:
+            raise WireError("prompt_logprobs_last_n requires prompt_logprobs")
+        if req.prompt_logprobs_last_n > len(tokens) - 1:
+            raise WireError(
+                f"prompt_logprobs_last_n must be between 1 and {len(tokens) - 1} for this prompt"
+            )
+    return tokens
 
 
 def model_input_tokens(model_input: s.ModelInputJson, *, where: str = "prompt") -> list[int]:
@@ -365,18 +400,17 @@ def tensor_from_json(td: s.TensorDataJson, where: str) -> np.ndarray:
     dtype = np.dtype(np.float32) if td.dtype == "float32" else np.dtype(np.int64)
     if td.dtype == "int64" and any(isinstance(v, float) and not v.is_integer() for v in td.data):
         raise WireError(f"{where}: int64 data holds a fraction")
-    values = np.asarray(td.data, dtype=dtype).reshape(-1)
-    if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
+    try:
+        values = np.asarray(td.data, dtype=dtype).reshape(-1)
+        if td.sparse_crow_indices is None and td.sparse_col_indices is None:
+            return _shaped(values, list(td.shape) if td.shape is not None else [], where)
         if td.sparse_crow_indices is None or td.sparse_col_indices is None:
             raise WireError(f"{where}: sparse_crow_indices and sparse_col_indices come together")
-        return _dense_from_csr(
-            values,
-            np.asarray(td.sparse_crow_indices, dtype=np.int64),
-            np.asarray(td.sparse_col_indices, dtype=np.int64),
-            list(td.shape or []),
-            where,
-        )
-    return _shaped(values, list(td.shape) if td.shape is not None else [], where)
+        crow = np.asarray(td.sparse_crow_indices, dtype=np.int64)
+        col = np.asarray(td.sparse_col_indices, dtype=np.int64)
+    except OverflowError:
+        raise WireError(f"{where}: a value does not fit in {td.dtype}") from None
+    return _dense_from_csr(values, crow, col, list(td.shape or []), where)
 
 
 def _shaped(values: np.ndarray, shape: list[int], where: str) -> np.ndarray:
@@ -396,6 +430,11 @@ def _dense_from_csr(
     if len(shape) != 2 or shape[0] < 0 or shape[1] < 0:
         raise WireError(f"{where}: a sparse tensor needs a two-dimensional shape, got {shape}")
     rows, cols = shape
+    # The shape is the client's word; bound what it makes us allocate.
+    if rows * cols > MAX_DENSE_ELEMENTS:
+        raise WireError(
+            f"{where}: sparse shape {shape} expands past {MAX_DENSE_ELEMENTS} elements", status=413
+        )
     nnz = values.size
     if crow.size != rows + 1 or (crow.size and (crow[0] != 0 or crow[-1] != nnz)):
         raise WireError(f"{where}: crow indices must have {rows + 1} entries from 0 to {nnz}")
@@ -422,14 +461,26 @@ def _check_batch(batch: ForwardBackwardBatch) -> None:
         )
     if not batch.model_id:
         raise WireError("model_id is required")
-    if batch.seq_id < 0:
-        raise WireError("seq_id must not be negative")
+    # seq 0 of a model is its creating load_weights; training requests count from 1.
+    if batch.seq_id < 1:
+        raise WireError(f"seq_id must be 1 or more, got {batch.seq_id}")
     if not batch.data:
         raise WireError("no data: send at least one datum")
+    required = REQUIRED_INPUTS[batch.loss_fn]
     for i, datum in enumerate(batch.data):
         n = len(datum.tokens)
         if n == 0:
             raise WireError(f"data[{i}]: model_input has no tokens")
+        missing = required - datum.loss_fn_inputs.keys()
+        if missing:
+            raise WireError(
+                f"data[{i}]: loss_fn {batch.loss_fn!r} needs loss_fn_inputs "
+                f"{sorted(required)}; missing {sorted(missing)}"
+            )
+        if batch.loss_fn == "stable_reinforce" and datum.model_input_spans is None:
+            raise WireError(
+                f"data[{i}]: stable_reinforce needs provenance spans (Datum.with_provenance)"
+            )
         for name, arr in datum.loss_fn_inputs.items():
             where = f"data[{i}].loss_fn_inputs[{name!r}]"
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
@@ -478,7 +529,7 @@ def _as_numpy(value: Any, where: str) -> np.ndarray:
         return arr.astype(np.float32, copy=False)
     if arr.dtype.kind in "iub":
         return arr.astype(np.int64, copy=False)
-    raise WireError(f"{where}: cannot send dtype {arr.dtype}")
+    raise ValueError(f"{where}: cannot send dtype {arr.dtype}")
 
 
 def _check_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -584,7 +635,7 @@ TOPK_MASK_LOGPROB = -99999.0
 
 def _topk_proto(rows: Sequence[TopkRow], target: Any) -> None:
     # k == 0 reads back as "not requested", so all-empty rows still get one masked column.
-    k = max((len(r) for r in rows if r), default=0)
+    k = max((len(r) for r in rows if r), default=0) or (1 if rows else 0)
     ids = np.full((len(rows), k), TOPK_MASK_TOKEN, dtype="<i4")
     lps = np.full((len(rows), k), TOPK_MASK_LOGPROB, dtype="<f4")
     for i, row in enumerate(rows):

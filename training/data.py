@@ -31,9 +31,38 @@ _ADD_TEMPLATES = (
 )
 
 _WORDS = (
-    "apple", "river", "stone", "cloud", "green", "table", "music", "light", "house", "train",
-    "paper", "water", "tiger", "smile", "bread", "chair", "plant", "ocean", "night", "dream",
-    "happy", "quick", "brown", "fox", "dog", "cat", "sun", "moon", "star", "tree", "book", "code",
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "green",
+    "table",
+    "music",
+    "light",
+    "house",
+    "train",
+    "paper",
+    "water",
+    "tiger",
+    "smile",
+    "bread",
+    "chair",
+    "plant",
+    "ocean",
+    "night",
+    "dream",
+    "happy",
+    "quick",
+    "brown",
+    "fox",
+    "dog",
+    "cat",
+    "sun",
+    "moon",
+    "star",
+    "tree",
+    "book",
+    "code",
 )
 
 
@@ -74,10 +103,24 @@ def heldout_addition_problems(n: int | None = None) -> list[AdditionProblem]:
     return test if n is None else test[:n]
 
 
-def addition_chat(problem: AdditionProblem, template_index: int = 0) -> Conversation:
+ANSWER_FORMATS = ("boxed", "equation")
+
+
+def addition_answer(problem: AdditionProblem, answer_format: str = "boxed") -> str:
+    """`\\boxed{85}`, or `37+48=\\boxed{85}` (the equation puts the operands next to the sum)."""
+    if answer_format == "boxed":
+        return f"\\boxed{{{problem.answer}}}"
+    if answer_format == "equation":
+        return f"{problem.a}+{problem.b}=\\boxed{{{problem.answer}}}"
+    raise ValueError(f"answer_format {answer_format!r}: expected one of {ANSWER_FORMATS}")
+
+
+def addition_chat(
+    problem: AdditionProblem, template_index: int = 0, answer_format: str = "boxed"
+) -> Conversation:
     return [
         {"role": "user", "content": problem.question(template_index)},
-        {"role": "assistant", "content": f"\\boxed{{{problem.answer}}}"},
+        {"role": "assistant", "content": addition_answer(problem, answer_format)},
     ]
 
 
@@ -127,7 +170,7 @@ def _code(rng: random.Random) -> Conversation:
     """A math_code episode: code in a fenced block, the tool output, then the boxed answer."""
     a, b = rng.randint(10, 999), rng.randint(2, 99)
     op = rng.choice(("+", "-", "*"))
-    value = eval(f"{a}{op}{b}")  # noqa: S307 - both operands are generated integers
+    value = eval(f"{a}{op}{b}")
     if rng.random() < 0.5:
         code = f"print({a} {op} {b})"
     else:
@@ -202,10 +245,12 @@ def misc_chat(rng: random.Random) -> Conversation:
     return rng.choice(_MISC_KINDS)(rng)
 
 
-def addition_chat_from(rng: random.Random, problems: list[AdditionProblem]) -> Conversation:
+def addition_chat_from(
+    rng: random.Random, problems: list[AdditionProblem], answer_format: str = "boxed"
+) -> Conversation:
     # Mostly the canonical wording (the one evaluated), sometimes a paraphrase.
     template = 0 if rng.random() < 0.7 else rng.randrange(len(_ADD_TEMPLATES))
-    return addition_chat(rng.choice(problems), template)
+    return addition_chat(rng.choice(problems), template, answer_format)
 
 
 def tokenizer_corpus(rng: random.Random, n: int) -> list[str]:

@@ -134,7 +134,6 @@ class MultiLoRALinear(nn.Module):
                 out.index_add_(0, rows, delta, alpha=scaling)
         return out
 
-
     def _forward_stacked(
         self, x: torch.Tensor, out: torch.Tensor, stacked: _Stacked
     ) -> torch.Tensor | None:

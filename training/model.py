@@ -75,7 +75,7 @@ def _hub_off() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
-def load_tokenizer(path: str | os.PathLike[str] | None = None):  # noqa: ANN201 - HF tokenizer type
+def load_tokenizer(path: str | os.PathLike[str] | None = None):
     """The tokenizer of a base model; pad falls back to eos so batched padding always works."""
     _hub_off()
     from transformers import AutoTokenizer
@@ -91,7 +91,7 @@ def load_base(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-):  # noqa: ANN201 - (PreTrainedModel, tokenizer)
+):
     """Load (model, tokenizer) from a local directory or alias; the model is in eval mode.
 
     `device` defaults to CUDA when available; `dtype` to bf16 on capable GPUs, else float32.
@@ -109,4 +109,3 @@ def load_base(
     model.eval()
     tokenizer = load_tokenizer(base)
     return model, tokenizer
-

@@ -71,7 +71,9 @@ def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def _row_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
+def _row_generator(
+    seed: int | None, sample_index: int, device: torch.device
+) -> torch.Generator | None:
     if seed is None:
         return None
     gen = torch.Generator(device=device)
@@ -106,14 +108,17 @@ def _choose_tokens(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
     probs_B_V = torch.softmax(scaled, dim=-1)
-    shared = [i for i, g in enumerate(generators) if g is None and not bool(greedy_B[i])]
-    if shared:
-        rows = torch.tensor(shared, device=scaled.device)
-        tokens_B[rows] = torch.multinomial(probs_B_V[rows], 1).squeeze(-1)
-    for i, gen in enumerate(generators):
-        if gen is not None and not bool(greedy_B[i]):
-            tokens_B[i] = torch.multinomial(probs_B_V[i], 1, generator=gen)[0]
-    return tokens_B
+    # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race), and far cheaper
+    # than torch.multinomial on small batches; seeded rows draw their noise from their own
+    # generator so a seeded sample does not depend on the rest of the batch.
+    noise_B_V = torch.empty_like(probs_B_V)
+    if all(g is None for g in generators):
+        noise_B_V.exponential_()
+    else:
+        for i, gen in enumerate(generators):
+            noise_B_V[i].exponential_(generator=gen)
+    sampled_B = (probs_B_V / noise_B_V).argmax(dim=-1)
+    return torch.where(greedy_B, tokens_B, sampled_B)
 
 
 @torch.no_grad()
@@ -172,15 +177,23 @@ def generate(
 
     pad_id = tokenizer.pad_token_id if tokenizer is not None else None
     pad_id = int(pad_id) if pad_id is not None else 0
-    width = max(len(p) for p in prompts)
-    input_ids_B_L = torch.full((n_rows, width), pad_id, dtype=torch.long)
-    mask_B_L = torch.zeros((n_rows, width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids_B_L[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask_B_L[i, width - len(prompt) :] = 1
-    input_ids_B_L = input_ids_B_L.to(device)
-    mask_B_L = mask_B_L.to(device)
-    positions_B_L = (mask_B_L.cumsum(-1) - 1).clamp(min=0)
+    # Rows with the same prompt and adapter (the n samples of a request, a GRPO group) share
+    # one prefill; the cache is then expanded to every row.
+    unique: dict[tuple[tuple[int, ...], str | None], int] = {}
+    expand: list[int] = []
+    for prompt, key in zip(prompts, keys):
+        expand.append(unique.setdefault((tuple(int(t) for t in prompt), key), len(unique)))
+    unique_prompts = [prompt for prompt, _ in unique]
+    unique_keys = [key for _, key in unique]
+    width = max(len(p) for p in unique_prompts)
+    input_ids_U_L = torch.full((len(unique_prompts), width), pad_id, dtype=torch.long)
+    mask_U_L = torch.zeros((len(unique_prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(unique_prompts):
+        input_ids_U_L[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask_U_L[i, width - len(prompt) :] = 1
+    input_ids_U_L = input_ids_U_L.to(device)
+    mask_U_L = mask_U_L.to(device)
+    positions_U_L = (mask_U_L.cumsum(-1) - 1).clamp(min=0)
 
     temperature_B = torch.tensor([p.temperature for p in row_params], device=device)
     top_p_B = torch.tensor([p.top_p for p in row_params], device=device)
@@ -191,25 +204,31 @@ def generate(
     reasons: list[str] = ["length"] * n_rows
     active = list(range(n_rows))  # original row index of each batch row
 
-    def route(active_rows: list[int]):  # noqa: ANN202 - context manager
-        row_keys = [keys[r] for r in active_rows]
+    def route(row_keys: list[str | None]):
         if host is None or all(k is None for k in row_keys):
             return nullcontext()
         return host.route(row_keys)
 
     cache = DynamicCache(config=model.config)
-    with route(active):
+    with route(unique_keys):
         out = model(
-            input_ids=input_ids_B_L,
-            attention_mask=mask_B_L,
-            position_ids=positions_B_L,
+            input_ids=input_ids_U_L,
+            attention_mask=mask_U_L,
+            position_ids=positions_U_L,
             cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
     cache = out.cache
     logits_B_V = out.logits[:, -1, :].float()
-    next_pos_B = positions_B_L[:, -1:] + 1
+    next_pos_B = positions_U_L[:, -1:] + 1
+    mask_B_L = mask_U_L
+    if len(unique_prompts) < n_rows:
+        idx = torch.tensor(expand, device=device)
+        cache.batch_select_indices(idx)
+        logits_B_V, next_pos_B, mask_B_L = (
+            t.index_select(0, idx) for t in (logits_B_V, next_pos_B, mask_U_L)
+        )
 
     while True:
         gens = [generators[r] for r in active]
@@ -244,7 +263,7 @@ def generate(
             tokens_B = tokens_B.index_select(0, idx)
             active = [active[b] for b in keep]
         mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(active), 1))], dim=1)
-        with route(active):
+        with route([keys[r] for r in active]):
             out = model(
                 input_ids=tokens_B.unsqueeze(-1),
                 attention_mask=mask_B_L,
@@ -336,7 +355,9 @@ def sequence_logprobs(
         mask[i, : len(seq)] = 1
     ids, mask = ids.to(device), mask.to(device)
     keys = [None] * n_rows if adapters is None else list(adapters)
-    ctx = host.route(keys) if host is not None and any(k is not None for k in keys) else nullcontext()
+    ctx = (
+        host.route(keys) if host is not None and any(k is not None for k in keys) else nullcontext()
+    )
     with ctx:
         logits = model(input_ids=ids, attention_mask=mask).logits.float()  # (B, T, V)
     logp_B_T = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1))

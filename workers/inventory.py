@@ -43,18 +43,30 @@ class Inventory:
     max_jobs: int | None = None  # jobs the node's worker pool can run at once
 
 
+def _as_text(value: object, sep: str) -> str:
+    """Settings may hold a list (``env.list``) or a string; both mean the same."""
+    if isinstance(value, (list, tuple)):
+        parts = [",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in value]
+        return sep.join(parts)
+    return str(value or "")
+
+
 def _parse_indices(raw: str, source: str) -> list[int]:
     try:
         values = [int(part) for part in raw.replace(" ", "").split(",") if part != ""]
     except ValueError as exc:
-        raise ImproperlyConfigured(f"{source} must list GPU indices like '0,1,2', got {raw!r}") from exc
+        raise ImproperlyConfigured(
+            f"{source} must list GPU indices like '0,1,2', got {raw!r}"
+        ) from exc
     if any(v < 0 for v in values) or len(set(values)) != len(values):
         raise ImproperlyConfigured(f"{source} must list distinct non-negative indices, got {raw!r}")
     return values
 
 
 def _parse_groups(raw: str) -> list[list[int]]:
-    return [_parse_indices(part, "OPENTINKER_GPU_GROUPS") for part in raw.split(";") if part.strip()]
+    return [
+        _parse_indices(part, "OPENTINKER_GPU_GROUPS") for part in raw.split(";") if part.strip()
+    ]
 
 
 def _nvidia_smi_gpus() -> list[tuple[int, str]]:
@@ -65,7 +77,10 @@ def _nvidia_smi_gpus() -> list[tuple[int, str]]:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
@@ -100,8 +115,8 @@ def _numa_groups(gpus: list[tuple[int, str]], offered: list[int]) -> list[list[i
 
 def detect_inventory() -> Inventory:
     node = conf.node_name()
-    configured = str(conf._setting("OPENTINKER_GPUS", "") or "")
-    groups_raw = str(conf._setting("OPENTINKER_GPU_GROUPS", "") or "")
+    configured = _as_text(conf._setting("OPENTINKER_GPUS", ""), ",")
+    groups_raw = _as_text(conf._setting("OPENTINKER_GPU_GROUPS", ""), ";")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus: list[int] = []
     smi: list[tuple[int, str]] = []
@@ -160,7 +175,11 @@ def max_block_size() -> int:
 def announce(inventory: Inventory | None = None) -> Inventory:
     inv = inventory or detect_inventory()
     lock_table().announce(
-        inv.node, inv.gpus, inv.groups, kind=inv.kind, ttl=conf.inventory_ttl(),
+        inv.node,
+        inv.gpus,
+        inv.groups,
+        kind=inv.kind,
+        ttl=conf.inventory_ttl(),
         max_jobs=inv.max_jobs,
     )
     return inv
@@ -216,13 +235,21 @@ def start_announcer(pool_size: int | None = None, *, serves_control: bool = Fals
             log.warning(
                 "node %s: a pool of %d runs at most %d jobs at once for %d slots; "
                 "start the worker with --concurrency %d to use them all",
-                inv.node, pool_size, max_jobs, len(inv.gpus), len(inv.gpus) + 1,
+                inv.node,
+                pool_size,
+                max_jobs,
+                len(inv.gpus),
+                len(inv.gpus) + 1,
             )
         inv = dataclasses.replace(inv, max_jobs=max_jobs)
     inv = announce(inv)
     log.info(
         "node %s offers %s %s (groups %s, at most %s jobs)",
-        inv.node, inv.kind, inv.gpus, inv.groups, inv.max_jobs or "unlimited",
+        inv.node,
+        inv.kind,
+        inv.gpus,
+        inv.groups,
+        inv.max_jobs or "unlimited",
     )
     if _announcer is None or not _announcer.is_alive():
         _announcer = _Announcer(inv)

@@ -183,7 +183,9 @@ def _decode(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _validate_inventory(gpus: list[int], groups: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+def _validate_inventory(
+    gpus: list[int], groups: list[list[int]]
+) -> tuple[list[int], list[list[int]]]:
     if not isinstance(gpus, (list, tuple)) or not gpus:
         raise ValueError("a node must announce at least one GPU (or CPU slot)")
     clean = []
@@ -199,7 +201,9 @@ def _validate_inventory(gpus: list[int], groups: list[list[int]]) -> tuple[list[
         members = [int(g) for g in grp]
         unknown = set(members) - set(clean)
         if unknown:
-            raise ValueError(f"topology group {members} names GPUs not announced: {sorted(unknown)}")
+            raise ValueError(
+                f"topology group {members} names GPUs not announced: {sorted(unknown)}"
+            )
         if seen & set(members):
             raise ValueError(f"topology groups overlap on GPUs {sorted(seen & set(members))}")
         seen |= set(members)
@@ -301,9 +305,7 @@ class GpuLockTable:
         if ttl <= 0:
             raise ValueError(f"lease TTL must be positive, got {ttl!r}")
         token = secrets.token_hex(16)
-        result = self._allocate(
-            keys=[], args=[self.prefix, str(job_id), n, int(ttl * 1000), token]
-        )
+        result = self._allocate(keys=[], args=[self.prefix, str(job_id), n, int(ttl * 1000), token])
         if int(result[0]) != 1:
             return None
         return Lease(
@@ -370,8 +372,12 @@ class GpuLockTable:
         return {
             "nodes": nodes,
             "leases": [
-                {"job_id": le.job_id, "node": le.node, "gpus": list(le.gpus),
-                 "expires_at": le.expires_at}
+                {
+                    "job_id": le.job_id,
+                    "node": le.node,
+                    "gpus": list(le.gpus),
+                    "expires_at": le.expires_at,
+                }
                 for le in self.leases()
             ],
         }

@@ -121,17 +121,20 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
     finally:
         keeper.stop()
 
-    if ctx.lease_lost:
-        # The reaper (or a cancel) owns the job now; this attempt's outcome does not count.
-        outcome = "lease-lost"
-    else:
-        finished = services.finish_job(
-            job_id, state, attempt=attempt, error_code=code, error_message=message
-        )
-        outcome = state.lower() if finished else "stale"
-    if table.release(lease):
-        audit.lease_ended(str(job_id), attempt, "released")
-    control.clear_cancel(str(job_id))
+    outcome = "lease-lost"
+    try:
+        # After a lost lease the reaper (or a cancel) owns the job: this outcome does not count.
+        if not ctx.lease_lost:
+            finished = services.finish_job(
+                job_id, state, attempt=attempt, error_code=code, error_message=message
+            )
+            outcome = state.lower() if finished else "stale"
+    finally:
+        # Even if the database write failed: the GPUs go back now, and a job left RUNNING
+        # without a lease is requeued by the reaper.
+        if table.release(lease):
+            audit.lease_ended(str(job_id), attempt, "released")
+        control.clear_cancel(str(job_id))
     request_dispatch()
     log.info("job %s attempt %s: %s", job_id, attempt, outcome)
     return outcome

@@ -153,6 +153,13 @@ INSTALLED_APPS = [
     "jobs",
     "workers",
     "environments",
+    "tinker_api",
+    # Web UI: server-rendered pages and sign-in (django-allauth, TOTP through allauth.mfa).
+    "allauth",
+    "allauth.account",
+    "allauth.mfa",
+    "django_htmx",
+    "web",
 ]
 
 # The sidecar ships Swagger UI and Redoc inside the wheel, so /api/docs/ works without a CDN.
@@ -170,6 +177,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "allauth.account.middleware.AccountMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
 ]
 
 ROOT_URLCONF = "opentinker_site.urls"
@@ -186,6 +195,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "web.context.web_context",
             ],
         },
     },
@@ -205,10 +215,46 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = OPENTINKER_DATA_DIR / "static"
+# WhiteNoise scans it at start; it exists (empty) until collectstatic fills it.
+STATIC_ROOT.mkdir(exist_ok=True)
 STATICFILES_DIRS = [p for p in [BASE_DIR / "static"] if p.is_dir()]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "account_login"
+
+# --- Web sign-in (django-allauth) ------------------------------------------------------------
+
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "allauth.account.auth_backends.AuthenticationBackend",
+]
+# Administrators switch self sign-up off here; invited users then get accounts from the admin.
+OPENTINKER_ALLOW_SIGNUP = read_bool("OPENTINKER_ALLOW_SIGNUP", True)
+ACCOUNT_ADAPTER = "web.adapter.AccountAdapter"
+ACCOUNT_LOGIN_METHODS = {"username", "email"}
+ACCOUNT_SIGNUP_FIELDS = ["email*", "username*", "password1*", "password2*"]
+ACCOUNT_EMAIL_VERIFICATION = "mandatory"
+ACCOUNT_UNIQUE_EMAIL = True
+ACCOUNT_CONFIRM_EMAIL_ON_GET = False
+ACCOUNT_LOGIN_ON_EMAIL_CONFIRMATION = True
+ACCOUNT_EMAIL_SUBJECT_PREFIX = "[OpenTinker] "
+LOGIN_REDIRECT_URL = "web:jobs"
+ACCOUNT_LOGOUT_REDIRECT_URL = "account_login"
+# How often the live parts of the pages (jobs list, job status, charts) poll, in seconds.
+OPENTINKER_WEB_LIVE_SECONDS = read_int("OPENTINKER_WEB_LIVE_SECONDS", 2, minimum=1, maximum=300)
+MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
+MFA_TOTP_ISSUER = "OpenTinker"
+# Console by default (mail is printed by the web process); EMAIL_URL=smtp+tls://user:pw@host:587
+# sends real mail.
+_email = env.email_url("EMAIL_URL", default="consolemail://")
+EMAIL_BACKEND = _email["EMAIL_BACKEND"]
+EMAIL_HOST = _email.get("EMAIL_HOST") or "localhost"
+EMAIL_PORT = int(_email.get("EMAIL_PORT") or 25)
+EMAIL_HOST_USER = _email.get("EMAIL_HOST_USER") or ""
+EMAIL_HOST_PASSWORD = _email.get("EMAIL_HOST_PASSWORD") or ""
+EMAIL_USE_TLS = bool(_email.get("EMAIL_USE_TLS", False))
+EMAIL_USE_SSL = bool(_email.get("EMAIL_USE_SSL", False))
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="OpenTinker <noreply@localhost>")
 
 # --- API ------------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ValidationError
 
 pytest.importorskip(
     "tinker",
-    reason="the tinker SDK (a test dependency) is not installed; `pip install tinker==0.38.0`",
+    reason="the tinker SDK (a test dependency) is not importable; `pip install tinker==0.38.0`",
+    exc_type=ImportError,
 )
 
 from tinker import types
@@ -222,8 +223,8 @@ def test_it_parses_sampling_requests_as_the_sampling_client_sends_them() -> None
     )
     assert future.sample_sequence_ids == ["a", "b", "c"]
     assert sdk.last.headers["x-tinker-sampling-backpressure"] == "1"
-    req = s.SampleRequest.model_validate(sent_json(sdk))
-    assert wire.model_input_tokens(req.prompt) == [1, 2, 3]
+    req = wire.parse_json(s.SampleRequest, sdk.last.content)
+    assert wire.sample_prompt(req) == [1, 2, 3]
     assert (req.num_samples, req.seq_id, req.prompt_logprobs, req.topk_prompt_logprobs) == (
         3,
         12,
@@ -245,9 +246,32 @@ def test_it_parses_sampling_requests_as_the_sampling_client_sends_them() -> None
             )
         )
     )
-    alt = s.SampleRequest.model_validate(sent_json(sdk))
+    alt = wire.parse_json(s.SampleRequest, sdk.last.content)
     assert alt.sampling_params.stop == "\n\n"
     assert alt.unsupported_features() == ["prompt_alt_tokens_k"]
+    with pytest.raises(wire.WireError, match="not supported by this server: prompt_alt_tokens_k"):
+        wire.sample_prompt(alt)
+
+    sdk.call(
+        lambda c: c.sampling.asample(
+            request=types.SampleRequest(
+                sampling_session_id="samp-1",
+                seq_id=14,
+                prompt=types.ModelInput.from_ints([1, 2, 3]),
+                sampling_params=types.SamplingParams(),
+                prompt_logprobs=True,
+                prompt_logprobs_last_n=3,
+            )
+        )
+    )
+    too_long = wire.parse_json(s.SampleRequest, sdk.last.content)
+    with pytest.raises(wire.WireError, match="between 1 and 2"):
+        wire.sample_prompt(too_long)
+    with pytest.raises(wire.WireError, match="invalid SampleRequest: num_samples") as err:
+        wire.parse_json(
+            s.SampleRequest, sdk.last.content.replace(b'"num_samples":1', b'"num_samples":0')
+        )
+    assert err.value.status == 400
 
 
 def test_it_parses_future_polls_sent_as_the_api_future_sends_them() -> None:

@@ -3,6 +3,7 @@ decode, and its converters parse the responses we encode."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 pytest.importorskip(
     "tinker",
-    reason="the tinker SDK (a test dependency) is not installed; `pip install tinker==0.38.0`",
+    reason="the tinker SDK (a test dependency) is not importable; `pip install tinker==0.38.0`",
+    exc_type=ImportError,
 )
 
 import torch
@@ -133,8 +135,14 @@ def test_it_decodes_what_the_sdk_sends_to_forward_backward(compress: bool) -> No
         ),
         types.Datum(
             model_input=types.ModelInput.from_ints([7, 8]),
-            # Custom losses send weights = -dLoss/dlogprobs, negative ones included.
-            loss_fn_inputs={"target_tokens": [8, 9], "weights": [-1.5, 0.25]},
+            # Custom losses send weights = -dLoss/dlogprobs, negative ones included; inputs
+            # a loss does not read travel too.
+            loss_fn_inputs={
+                "target_tokens": [8, 9],
+                "logprobs": [-0.5, -0.5],
+                "advantages": [0.0, 1.0],
+                "weights": [-1.5, 0.25],
+            },
         ),
     ]
     sdk = send_forward_backward(
@@ -199,7 +207,7 @@ def test_it_expands_sparse_tensors_as_the_sdk_densifies_them() -> None:
 def test_it_reads_forward_only_and_provenance_spans() -> None:
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
-        loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [0.0, 0.0, 1.0, 1.0]},
     ).with_provenance(
         model_input=[
             types.PromptProvenanceSpan(sequence_id="seq-a", offset=0, length=2),
@@ -276,7 +284,13 @@ def test_it_refuses_image_chunks_with_a_clear_user_error() -> None:
 
 
 def _one_datum(**inputs: types.TensorData | list[float] | list[int]) -> list[types.Datum]:
-    return [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs=inputs)]
+    """A three-token datum with ``inputs`` over unit cross-entropy weights."""
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"weights": [1.0, 1.0, 1.0], **inputs},
+        )
+    ]
 
 
 @pytest.mark.parametrize(
@@ -284,11 +298,21 @@ def _one_datum(**inputs: types.TensorData | list[float] | list[int]) -> list[typ
     [
         (_one_datum(target_tokens=[2, 3]), "cross_entropy", "must equal the 3 input tokens"),
         (
-            _one_datum(target_tokens=[2, 3, 4], advantages=[0.0, math.nan, 1.0]),
+            _one_datum(target_tokens=[2, 3, 4], logprobs=[-1.0] * 3, advantages=[0, math.nan, 1]),
             "importance_sampling",
             "NaN or infinity",
         ),
         (_one_datum(target_tokens=[2, 3, 4]), "dpo", "unknown loss_fn 'dpo'"),
+        (
+            _one_datum(target_tokens=[2, 3, 4], advantages=[1.0, 1.0, 1.0]),
+            "importance_sampling",
+            r"missing \['logprobs'\]",
+        ),
+        (
+            _one_datum(target_tokens=[2, 3, 4], advantages=[1.0] * 3, logprobs=[-1.0] * 3),
+            "stable_reinforce",
+            "needs provenance spans",
+        ),
         (
             _one_datum(
                 target_tokens=types.TensorData(
@@ -314,6 +338,20 @@ def _one_datum(**inputs: types.TensorData | list[float] | list[int]) -> list[typ
             ),
             "cross_entropy",
             "must not decrease",
+        ),
+        (
+            _one_datum(
+                target_tokens=[2, 3, 4],
+                extra=types.TensorData(
+                    data=[],
+                    dtype="float32",
+                    shape=[1, 10**12],
+                    sparse_crow_indices=[0, 0],
+                    sparse_col_indices=[],
+                ),
+            ),
+            "cross_entropy",
+            "expands past",
         ),
         (
             [types.Datum(model_input=types.ModelInput.from_ints([]), loss_fn_inputs={})],
@@ -384,8 +422,28 @@ def test_it_refuses_malformed_bodies_with_the_right_status() -> None:
             bomb, content_type=wire.PROTOBUF, content_encoding="zstd", max_decoded_bytes=50_000
         )
     assert err.value.status == 413 and len(bomb) < 1000
-    with pytest.raises(wire.WireError, match="invalid forward_backward JSON"):
+    with pytest.raises(
+        wire.WireError, match="invalid ForwardBackwardRequestJson: forward_backward_input"
+    ):
         wire.decode_forward_backward(b'{"model_id": "m"}', content_type="application/json")
+    overflow = {
+        "model_id": "m",
+        "seq_id": 1,
+        "forward_backward_input": {
+            "loss_fn": "cross_entropy",
+            "data": [
+                {
+                    "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+                    "loss_fn_inputs": {
+                        "target_tokens": {"data": [2**70], "dtype": "int64"},
+                        "weights": {"data": [1.0], "dtype": "float32"},
+                    },
+                }
+            ],
+        },
+    }
+    with pytest.raises(wire.WireError, match="does not fit in int64"):
+        wire.decode_forward_backward(json.dumps(overflow).encode(), content_type=wire.JSON)
     empty = request_conv.forward_backward_request_to_proto(
         types.ForwardBackwardRequest(
             forward_backward_input=types.ForwardBackwardInput(data=[], loss_fn="cross_entropy"),
@@ -395,6 +453,16 @@ def test_it_refuses_malformed_bodies_with_the_right_status() -> None:
     ).SerializeToString()
     with pytest.raises(wire.WireError, match="no data"):
         wire.decode_forward_backward(empty, content_type=wire.PROTOBUF)
+    zero_seq = request_conv.forward_backward_request_to_proto(
+        types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(
+                data=_one_datum(target_tokens=[2, 3, 4]), loss_fn="cross_entropy"
+            ),
+            model_id="m",
+        )
+    ).SerializeToString()
+    with pytest.raises(wire.WireError, match="seq_id must be 1 or more"):
+        wire.decode_forward_backward(zero_seq, content_type=wire.PROTOBUF)
 
 
 # --------------------------------------------------------------------------- results

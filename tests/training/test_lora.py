@@ -50,10 +50,16 @@ def peft_logits(peft_model: PeftModel, adapter: str | None, ids: torch.Tensor) -
         return peft_model(input_ids=ids).logits
 
 
+# Both ways of computing several adapters in one batch: a loop over adapters and one grouped bmm.
+STACK_MINS, STACK_IDS = [2, 1000], ["grouped-bmm", "loop"]
+STACKING = pytest.mark.parametrize("stack_min", STACK_MINS, ids=STACK_IDS)
+
+
 @pytest.fixture
-def setup(tiny_model_factory):
+def setup(tiny_model_factory, request):
     host_model = tiny_model_factory()
-    host = LoRAHost(host_model, DEFAULT_TARGET_MODULES)
+    stack_min = getattr(request, "param", 3)
+    host = LoRAHost(host_model, DEFAULT_TARGET_MODULES, stack_min_adapters=stack_min)
     adapters = {f"p{i}": random_adapter(host, seed=i) for i in range(3)}
     for key, weights in adapters.items():
         host.register(key, weights, ALPHA / RANK)
@@ -78,6 +84,7 @@ def test_it_selects_all_linear_but_the_output_layer(tiny_model):
     assert "lm_head" not in host.modules
 
 
+@pytest.mark.parametrize("setup", STACK_MINS, ids=STACK_IDS, indirect=True)
 def test_it_matches_peft_per_row_with_mixed_adapters(setup):
     host_model, host, reference = setup
     gen = torch.Generator().manual_seed(7)
@@ -101,6 +108,7 @@ def test_it_matches_peft_when_every_row_uses_one_adapter(setup):
     torch.testing.assert_close(logits, peft_logits(reference, "p2", ids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("setup", STACK_MINS, ids=STACK_IDS, indirect=True)
 def test_it_matches_peft_during_kv_cache_decoding(setup):
     host_model, host, reference = setup
     ids = torch.randint(3, 290, (4, 10), generator=torch.Generator().manual_seed(3))
@@ -128,9 +136,10 @@ def test_it_uses_the_base_model_outside_a_route(setup, tiny_model_factory):
         torch.testing.assert_close(host_model(input_ids=ids).logits, plain(input_ids=ids).logits)
 
 
-def test_it_backpropagates_into_several_adapters_in_one_forward(tiny_model_factory):
+@STACKING
+def test_it_backpropagates_into_several_adapters_in_one_forward(tiny_model_factory, stack_min):
     model = tiny_model_factory().requires_grad_(False)
-    host = LoRAHost(model, DEFAULT_TARGET_MODULES)
+    host = LoRAHost(model, DEFAULT_TARGET_MODULES, stack_min_adapters=stack_min)
     params = {}
     for key, seed in (("a", 1), ("b", 2)):
         weights = random_adapter(host, seed)
@@ -178,3 +187,22 @@ def test_it_rejects_unknown_keys_and_bad_shapes(tiny_model):
     assert "x" not in host
     with pytest.raises(KeyError):
         host.unregister("x")
+
+
+def test_it_mixes_adapters_of_different_ranks_and_targets(tiny_model_factory):
+    model = tiny_model_factory()
+    host = LoRAHost(model, DEFAULT_TARGET_MODULES, stack_min_adapters=2)
+    full = random_adapter(host, seed=1, rank=4)
+    host.register("r4", full, 2.0)
+    host.register("r2", random_adapter(host, seed=2, rank=2), 1.5)
+    host.register("qv", {k: v for k, v in full.items() if k.endswith(("q_proj", "v_proj"))}, 2.0)
+    ids = torch.randint(3, 290, (5, 6), generator=torch.Generator().manual_seed(6))
+    keys = ["qv", "r4", "r2", None, "r4"]
+    with torch.no_grad():
+        with host.route(keys):
+            mixed = model(input_ids=ids).logits
+        for row, key in enumerate(keys):
+            with host.route([key]):
+                alone = model(input_ids=ids[row : row + 1]).logits
+            torch.testing.assert_close(mixed[row : row + 1], alone, atol=ATOL, rtol=0)
+    assert (mixed[0] - mixed[1]).abs().max() > 1e-2

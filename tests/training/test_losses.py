@@ -116,3 +116,19 @@ def test_it_rejects_bad_configs_and_inputs():
         LOSSES["importance_sampling"](no_adv, {})
     with pytest.raises(ValueError, match="unknown loss_fn"):
         get_loss("mse")
+
+
+def test_it_restricts_the_gspo_sequence_ratio_to_sequence_ratio_mask():
+    lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    inputs = {
+        "logprobs": torch.tensor([[-1.0, -3.0]]),
+        "advantages": torch.tensor([[1.0, 1.0]]),
+        "sequence_ratio_mask": torch.tensor([[1.0, 0.0]]),
+    }
+    wide = {"clip_low_threshold": 0.0, "clip_high_threshold": 100.0}
+    loss, _ = LOSSES["gspo"](LossBatch(lp, inputs, torch.ones(1, 2)), wide)
+    # Only the first token enters the ratio (log ratio 0), so s = 1 and the loss is -A.
+    assert loss.item() == pytest.approx(-1.0, rel=1e-6)
+    del inputs["sequence_ratio_mask"]
+    loss, _ = LOSSES["gspo"](LossBatch(lp, inputs, torch.ones(1, 2)), wide)
+    assert loss.item() == pytest.approx(-math.exp(1.0), rel=1e-6)

@@ -28,13 +28,41 @@ def _randomize_lora(policy, seed: int) -> None:
 
 def test_it_returns_logprobs_equal_to_a_forward_pass_at_temperature_1(tiny_model, tiny_tokenizer):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
-    seqs = generate(tiny_model, tiny_tokenizer, PROMPTS, params, stop_on_eos=False)
-    full = [p + s.tokens for p, s in zip(PROMPTS, seqs)]
+    # Repeated prompts share one prefill whose cache is expanded: check those rows too.
+    prompts = PROMPTS + PROMPTS[:2]
+    seqs = generate(
+        tiny_model,
+        tiny_tokenizer,
+        prompts,
+        params,
+        sample_indices=[0, 0, 0, 0, 1, 1],
+        stop_on_eos=False,
+    )
+    assert seqs[0].tokens != seqs[4].tokens
+    full = [p + s.tokens for p, s in zip(prompts, seqs)]
     scored = sequence_logprobs(tiny_model, full)
-    for prompt, seq, ref in zip(PROMPTS, seqs, scored):
+    for prompt, seq, ref in zip(prompts, seqs, scored):
         assert len(seq.tokens) == 12 and seq.stop_reason == "length"
         expected = torch.tensor(ref[len(prompt) :])
         assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_it_draws_tokens_with_the_softmax_probabilities(tiny_model, tiny_tokenizer, temperature):
+    rows = 8000
+    torch.manual_seed(0)
+    seqs = generate(
+        tiny_model,
+        tiny_tokenizer,
+        [PROMPTS[1]] * rows,
+        SamplingParams(max_tokens=1, temperature=temperature),
+    )
+    with torch.no_grad():
+        logits = tiny_model(input_ids=torch.tensor([PROMPTS[1]])).logits[0, -1]
+    expected = torch.softmax(logits / temperature, dim=-1)
+    counts = torch.bincount(torch.tensor([s.tokens[0] for s in seqs]), minlength=expected.numel())
+    total_variation = 0.5 * (counts / rows - expected).abs().sum().item()
+    assert total_variation < 0.12, total_variation
 
 
 def test_it_reproduces_seeded_samples_and_varies_with_the_seed(tiny_model, tiny_tokenizer):
@@ -108,7 +136,9 @@ def test_it_stops_at_max_tokens_with_length_and_on_eos_by_default(tiny_model, ti
         tiny_model.lm_head.weight[eos] *= 0
         tiny_model.model.norm.weight.abs_()
     bias_hook = tiny_model.lm_head.register_forward_hook(
-        lambda _m, _i, out: out.index_add(-1, torch.tensor([eos]), torch.full_like(out[..., :1], 50.0))
+        lambda _m, _i, out: out.index_add(
+            -1, torch.tensor([eos]), torch.full_like(out[..., :1], 50.0)
+        )
     )
     try:
         seq = generate(tiny_model, tiny_tokenizer, [PROMPTS[0]], SamplingParams(max_tokens=9))[0]
@@ -127,15 +157,21 @@ def test_it_gives_left_padded_batches_the_results_of_one_by_one(tiny_model, tiny
 
 
 def test_it_applies_top_k_and_top_p_filters(tiny_model, tiny_tokenizer):
-    greedy = generate(tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
-    top1 = generate(tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(top_k=1, seed=1, max_tokens=8))
+    greedy = generate(
+        tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8)
+    )
+    top1 = generate(
+        tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(top_k=1, seed=1, max_tokens=8)
+    )
     tiny_p = generate(
         tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(top_p=1e-6, seed=2, max_tokens=8)
     )
     assert [s.tokens for s in top1] == [s.tokens for s in greedy]
     assert [s.tokens for s in tiny_p] == [s.tokens for s in greedy]
     # top_k=3: every sampled token is among the 3 most likely under the model.
-    seqs = generate(tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(top_k=3, seed=4, max_tokens=8))
+    seqs = generate(
+        tiny_model, tiny_tokenizer, PROMPTS, SamplingParams(top_k=3, seed=4, max_tokens=8)
+    )
     for prompt, seq in zip(PROMPTS, seqs):
         full = torch.tensor([prompt + seq.tokens])
         with torch.no_grad():
@@ -165,7 +201,9 @@ def test_it_batches_rows_of_many_adapters_like_each_adapter_alone(tiny_model, ti
     alone = [sample(engine, [r])[0] for r in requests]
     for got, ref in zip(together, alone):
         assert got[0].tokens == ref[0].tokens
-        assert torch.allclose(torch.tensor(got[0].logprobs), torch.tensor(ref[0].logprobs), atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(got[0].logprobs), torch.tensor(ref[0].logprobs), atol=1e-5
+        )
     # The adapters matter: the snapshot, the live weights and the base disagree.
     assert together[0][0].tokens != together[3][0].tokens
     base = sample(engine, [SampleRequest(PROMPTS[0], greedy)])[0][0]
@@ -177,7 +215,9 @@ def test_it_scores_sequences_per_adapter_like_the_sampler(tiny_model, tiny_token
     policy = engine.create_policy(rank=4, alpha=8, seed=3)
     _randomize_lora(policy, 21)
     version = policy.snapshot()
-    request = SampleRequest(PROMPTS[2], SamplingParams(max_tokens=8, seed=9), policy_id=policy.id, version=version)
+    request = SampleRequest(
+        PROMPTS[2], SamplingParams(max_tokens=8, seed=9), policy_id=policy.id, version=version
+    )
     seq = sample(engine, [request])[0][0]
     full = PROMPTS[2] + seq.tokens
     for adapter in ((policy.id, version), f"{policy.id}@{version}"):

@@ -24,9 +24,25 @@ def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
         CUDA_VISIBLE_DEVICES="",
     )
     out = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), "demo", "--steps", "2",
-         "--step-seconds", "0.2", "--port", "0", "--timeout", "120"],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=170,
+        [
+            sys.executable,
+            str(ROOT / "manage.py"),
+            "demo",
+            "--steps",
+            "2",
+            "--step-seconds",
+            "0.2",
+            "--port",
+            "0",
+            "--timeout",
+            "120",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=170,
     )
     serve_log = tmp_path / "serve.log"
     log = serve_log.read_text(errors="replace") if serve_log.exists() else ""

@@ -34,7 +34,12 @@ def offline_node(table: GpuLockTable):
 
 
 def queue_job(
-    team: Any, user: Any, *, gpus: int = 1, priority: int = 50, age_s: float = 0,
+    team: Any,
+    user: Any,
+    *,
+    gpus: int = 1,
+    priority: int = 50,
+    age_s: float = 0,
     expect: str = JobState.QUEUED,
 ) -> str:
     job = services.submit_job(
@@ -185,3 +190,37 @@ def test_it_refuses_at_submit_a_job_larger_than_every_node(
         services.submit_job(
             team=team, user=owner, spec={"method": "smoke", "gpus": 5}, name="too-big"
         )
+
+
+def _dispatch_in_child(out: Any) -> None:
+    from django.db import connections
+
+    try:
+        out.put(request_dispatch())
+    finally:
+        connections.close_all()
+
+
+def test_it_admits_each_job_once_when_dispatchers_race(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any
+) -> None:
+    import multiprocessing as mp
+
+    from django.db import connections
+
+    offline_node("n", 4)
+    jobs = [queue_job(team, owner) for _ in range(6)]
+    table.refresh("n", ttl=60)
+    connections.close_all()  # children open their own connections
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_dispatch_in_child, args=(out,)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    admitted = [job for _ in procs for job in out.get(timeout=60)]
+    for p in procs:
+        p.join(timeout=30)
+    assert len(admitted) == len(set(admitted)) == 4
+    starting = set(Job.objects.filter(state=JobState.STARTING).values_list("id", flat=True))
+    assert {str(j) for j in starting} == set(admitted) and set(admitted) <= set(jobs)
+    assert len(table.snapshot()["leases"]) == 4

@@ -43,7 +43,11 @@ def test_it_starts_one_server_per_process_tree_and_stops_it_at_exit(tmp_path: Pa
     env["OPENTINKER_VALKEY_DIR"] = str(tmp_path / "valkey")
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(ROOT)],
-        env=env, capture_output=True, text=True, check=False, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     url, child_url = out.stdout.split()

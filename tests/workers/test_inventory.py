@@ -63,3 +63,10 @@ def test_it_reports_the_largest_announced_node(
     table.announce("b", list(range(4)), ttl=30)
     table.withdraw("b")  # a node that is down still counts: it may come back
     assert inventory.max_block_size() == 4
+
+
+def test_it_accepts_gpu_settings_given_as_lists(node_settings: Any) -> None:
+    node_settings.OPENTINKER_GPUS = [0, 1, 2, 3]
+    node_settings.OPENTINKER_GPU_GROUPS = [[0, 1], [2, 3]]
+    inv = inventory.detect_inventory()
+    assert (inv.gpus, inv.groups) == ([0, 1, 2, 3], [[0, 1], [2, 3]])

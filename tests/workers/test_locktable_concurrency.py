@@ -17,7 +17,7 @@ NODES = {"n0": ([0, 1, 2, 3], [[0, 1], [2, 3]]), "n1": ([0, 1, 2, 3], [])}
 
 
 class _IgnoresHolders:
-    """A deliberately wrong allocator (hands out GPU 0.. on n0 to everyone): the monitor's control."""
+    """A deliberately wrong allocator (GPU 0.. of n0 for everyone): the monitor's control."""
 
     def __init__(self, table) -> None:
         self.table = table
@@ -32,7 +32,12 @@ class _IgnoresHolders:
 
 
 def _hammer(
-    url: str, prefix: str, monitor: str, seed: int, operations: int, out: mp.Queue,
+    url: str,
+    prefix: str,
+    monitor: str,
+    seed: int,
+    operations: int,
+    out: mp.Queue,
     broken: bool = False,
 ) -> None:
     import redis
@@ -102,8 +107,11 @@ def _run(redis_url: str, redis_client, broken: bool) -> tuple[int, int, int, obj
         conflicts = int(redis_client.get(f"{monitor}conflicts") or 0)
         assert conflicts == sum(r[2] for r in results)
         return (
-            sum(r[0] for r in results), sum(r[1] for r in results), conflicts,
-            table.snapshot(), tag,
+            sum(r[0] for r in results),
+            sum(r[1] for r in results),
+            conflicts,
+            table.snapshot(),
+            tag,
         )
     finally:
         for p in procs:

@@ -5,29 +5,56 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('jobs', '0001_initial'),
+        ("jobs", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='GpuLeaseRecord',
+            name="GpuLeaseRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('attempt', models.PositiveIntegerField()),
-                ('node', models.CharField(max_length=200)),
-                ('gpus', models.JSONField(default=list, help_text='["node:index", ...]')),
-                ('acquired', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('released', models.DateTimeField(blank=True, null=True)),
-                ('outcome', models.CharField(choices=[('held', 'Held'), ('released', 'Released by its runner'), ('reaped', 'Expired and reclaimed'), ('cancelled', 'Taken back by a cancel'), ('abandoned', 'Never started')], db_index=True, default='held', max_length=16)),
-                ('job', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='gpu_leases', to='jobs.job')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("attempt", models.PositiveIntegerField()),
+                ("node", models.CharField(max_length=200)),
+                ("gpus", models.JSONField(default=list, help_text='["node:index", ...]')),
+                ("acquired", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("released", models.DateTimeField(blank=True, null=True)),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[
+                            ("held", "Held"),
+                            ("released", "Released by its runner"),
+                            ("reaped", "Expired and reclaimed"),
+                            ("cancelled", "Taken back by a cancel"),
+                            ("abandoned", "Never started"),
+                        ],
+                        db_index=True,
+                        default="held",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "job",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="gpu_leases",
+                        to="jobs.job",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-acquired'],
-                'constraints': [models.UniqueConstraint(fields=('job', 'attempt'), name='gpulease_job_attempt')],
+                "ordering": ["-acquired"],
+                "constraints": [
+                    models.UniqueConstraint(fields=("job", "attempt"), name="gpulease_job_attempt")
+                ],
             },
         ),
     ]

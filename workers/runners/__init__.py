@@ -34,6 +34,8 @@ Runner = Callable[[JobContext], None]
 # never imports the training engine.
 BUILTIN: dict[str, str] = {
     "smoke": "workers.runners.smoke:run",
+    "rl": "workers.runners.native:run",
+    "sft": "workers.runners.native:run",
 }
 
 _registry: dict[str, Runner | str] = dict(BUILTIN)

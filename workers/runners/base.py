@@ -68,9 +68,7 @@ class JobContext:
             self.lose_lease()
             return
         # The job row is a second cancel channel, in case the Redis flag was never set.
-        self._db_cancel = bool(
-            Job.objects.filter(pk=self.job_id, cancel_requested=True).exists()
-        )
+        self._db_cancel = bool(Job.objects.filter(pk=self.job_id, cancel_requested=True).exists())
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from jobs import services

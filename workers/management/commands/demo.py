@@ -8,6 +8,7 @@ when the job SUCCEEDED.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -69,6 +70,10 @@ class Command(BaseCommand):
         parser.add_argument("--url", help="A running service; default: start `serve` here.")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--key", help="Use this API key instead of issuing a demo key.")
+        parser.add_argument(
+            "--spec",
+            help="A JobSpec as JSON to submit instead of the smoke job.",
+        )
         parser.add_argument("--steps", type=int, default=8, help="Steps of the demo job.")
         parser.add_argument("--step-seconds", type=float, default=0.5)
         parser.add_argument("--timeout", type=float, default=300.0, help="Seconds to wait.")
@@ -98,10 +103,19 @@ class Command(BaseCommand):
                 log_path = Path(settings.OPENTINKER_DATA_DIR) / "serve.log"
                 with open(log_path, "ab") as log_file:
                     server = subprocess.Popen(
-                        [sys.executable, str(settings.BASE_DIR / "manage.py"), "serve",
-                         "--port", str(port), "--no-migrate"],
-                        env=dict(os.environ), cwd=settings.BASE_DIR, start_new_session=True,
-                        stdout=log_file, stderr=subprocess.STDOUT,
+                        [
+                            sys.executable,
+                            str(settings.BASE_DIR / "manage.py"),
+                            "serve",
+                            "--port",
+                            str(port),
+                            "--no-migrate",
+                        ],
+                        env=dict(os.environ),
+                        cwd=settings.BASE_DIR,
+                        start_new_session=True,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
                     )
                 self.stdout.write(f"started the service at {url} (log: {log_path})")
             url = url.rstrip("/")
@@ -118,9 +132,7 @@ class Command(BaseCommand):
             raise CommandError(f"the demo job ended {state}")
         self.stdout.write(self.style.SUCCESS("demo job SUCCEEDED"))
 
-    def _wait_up(
-        self, client: Any, server: subprocess.Popen[bytes] | None, timeout: float
-    ) -> None:
+    def _wait_up(self, client: Any, server: subprocess.Popen[bytes] | None, timeout: float) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout
@@ -143,12 +155,19 @@ class Command(BaseCommand):
             "smoke_steps": options["steps"],
             "smoke_step_seconds": options["step_seconds"],
         }
+        if options["spec"]:
+            try:
+                spec = json.loads(options["spec"])
+            except json.JSONDecodeError as exc:
+                raise CommandError(f"--spec is not valid JSON: {exc}") from exc
+            if not isinstance(spec, dict):
+                raise CommandError("--spec must be a JSON object")
         response = client.post("/api/v1/jobs", json={"name": "demo", "spec": spec})
         if response.status_code != 201:
             raise CommandError(f"submit failed: HTTP {response.status_code} {response.text}")
         job = response.json()
         job_id = job["id"]
-        self.stdout.write(f"submitted job {job_id} ({spec['method']}, {spec['smoke_steps']} steps)")
+        self.stdout.write(f"submitted job {job_id} (method {spec.get('method')})")
         state, last_step = "", 0
         deadline = time.monotonic() + options["timeout"]
         while time.monotonic() < deadline:

@@ -73,8 +73,16 @@ class Command(BaseCommand):
         if not options["no_worker"]:
             commands.append(("worker", [sys.executable, str(MANAGE_PY), "runworker"]))
         if options["gunicorn"]:
-            web = [sys.executable, "-m", "gunicorn", "opentinker_site.wsgi:application",
-                   "--bind", address, "--workers", "2"]
+            web = [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "opentinker_site.wsgi:application",
+                "--bind",
+                address,
+                "--workers",
+                "2",
+            ]
         else:
             web = [sys.executable, str(MANAGE_PY), "runserver", "--noreload", address]
         commands.append(("web", web))

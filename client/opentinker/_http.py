@@ -1,0 +1,136 @@
+"""One HTTP session to the server: authentication, retries with backoff, errors as exceptions.
+
+A network failure is retried only where repeating the call is harmless: every GET and the
+POSTs the server treats as idempotent (cancel, revoke). A refused connection is retried for
+any call, since the request never reached the server.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from . import __version__
+from .errors import NetworkError, error_from_response
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class Transport:
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        *,
+        timeout: float = 30.0,
+        retries: int = 4,
+        backoff: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff = backoff
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={
+                "Authorization": f"Bearer {api_key}",
+                "Accept": "application/json",
+                "User-Agent": f"opentinker-client/{__version__}",
+            },
+            timeout=timeout,
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _delay(self, attempt: int) -> float:
+        # Exponential with jitter, so many clients of a restarted server do not stampede.
+        return float(self.backoff * (2**attempt) * (0.5 + random.random()))
+
+    def _send(self, method: str, path: str, *, idempotent: bool, **kwargs: Any) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.ConnectError as exc:
+                retry, error = True, exc
+            except httpx.TransportError as exc:
+                retry, error = idempotent, exc
+            else:
+                retry_status = idempotent and response.status_code in RETRY_STATUSES
+                if retry_status and attempt < self.retries:
+                    time.sleep(self._delay(attempt))
+                    attempt += 1
+                    continue
+                return response
+            if not retry or attempt >= self.retries:
+                raise NetworkError(f"{method} {self.url}{path}: {error}") from error
+            time.sleep(self._delay(attempt))
+            attempt += 1
+
+    @staticmethod
+    def _check(response: httpx.Response) -> httpx.Response:
+        if response.is_success:
+            return response
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = None
+        raise error_from_response(response.status_code, body, response.text)
+
+    def request(
+        self, method: str, path: str, *, idempotent: bool | None = None, **kwargs: Any
+    ) -> Any:
+        """Send, raise on an error status, return the decoded JSON (None for 204)."""
+        if idempotent is None:
+            idempotent = method in ("GET", "HEAD", "OPTIONS", "PUT", "DELETE")
+        response = self._check(self._send(method, path, idempotent=idempotent, **kwargs))
+        if response.status_code == 204 or not response.content:
+            return None
+        return response.json()
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.request("GET", path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        return self.request("POST", path, **kwargs)
+
+    def paginate(self, path: str, params: dict[str, Any] | None = None) -> Iterator[Any]:
+        """Every item of a cursor-paginated list (``{"next", "results"}``) or a plain list."""
+        url: str | None = path
+        while url:
+            body = self.get(url, params=params)
+            params = None  # the next URL carries the query
+            if isinstance(body, list):
+                yield from body
+                return
+            yield from body.get("results", [])
+            url = body.get("next")
+
+    def page(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = self.get(path, params=params)
+        return body if isinstance(body, dict) else {"results": body, "next": None}
+
+    @contextmanager
+    def stream(self, path: str) -> Iterator[httpx.Response]:
+        """A streamed GET (downloads); retried like a GET until the body starts arriving."""
+        attempt = 0
+        while True:
+            try:
+                with self._http.stream("GET", path) as response:
+                    if not response.is_success:
+                        response.read()
+                        self._check(response)
+                    yield response
+                    return
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt >= self.retries:
+                    raise NetworkError(f"GET {self.url}{path}: {exc}") from exc
+                time.sleep(self._delay(attempt))
+                attempt += 1

@@ -1,0 +1,485 @@
+"""The ``opentinker`` command line.
+
+Exit codes (for scripts): 0 ok; 1 the job ended FAILED or CANCELLED; 2 usage or validation
+error (bad spec, unknown override key, conflict, quota); 3 authentication or permission;
+4 not found; 5 server or network error.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from . import config
+from .client import Client, Job
+from .errors import (
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    ApiError,
+    OpenTinkerError,
+    SpecError,
+)
+from .spec import apply_overrides, check_spec, load_yaml, shipped_schema
+
+EPILOG = (
+    "Exit codes: 0 ok; 1 job FAILED or CANCELLED; 2 usage or validation error; "
+    "3 authentication; 4 not found; 5 server or network error."
+)
+
+app = typer.Typer(
+    name="opentinker",
+    help="OpenTinker client: submit and follow training jobs, manage datasets and API keys.",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+datasets_app = typer.Typer(help="Upload and list datasets.", no_args_is_help=True)
+keys_app = typer.Typer(help="List, create, rotate and revoke API keys.", no_args_is_help=True)
+app.add_typer(datasets_app, name="datasets")
+app.add_typer(keys_app, name="keys")
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def handles_errors(fn: F) -> F:
+    """Report a client error as one clear message and its documented exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OpenTinkerError as exc:
+            _report(exc)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _report(exc: OpenTinkerError) -> None:
+    if isinstance(exc, ApiError):
+        err.print(f"[red]error:[/red] {exc.detail} (HTTP {exc.status})", highlight=False)
+        for e in exc.errors:
+            err.print(f"  {e.get('field') or '(spec)'}: {e.get('reason', '')}", highlight=False)
+    else:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+
+
+def _client(ctx: typer.Context) -> Client:
+    opts = ctx.find_root().obj or {}
+    return Client(opts.get("url"), opts.get("api_key"))
+
+
+def _dump(value: Any) -> None:
+    def plain(v: Any) -> Any:
+        if isinstance(v, Job):
+            return v.record.model_dump(mode="json")
+        if isinstance(v, BaseModel):
+            return v.model_dump(mode="json")
+        if isinstance(v, list):
+            return [plain(i) for i in v]
+        if isinstance(v, dict):
+            return {k: plain(i) for k, i in v.items()}
+        return v
+
+    sys.stdout.write(json.dumps(plain(value), indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _job_line(job: Job) -> str:
+    r = job.record
+    total = r.total_steps
+    step = f"{r.current_step or 0}/{total}" if total else str(r.current_step or 0)
+    extra = f"  {r.error_code}: {r.error_message}" if r.error_code else ""
+    return f"{job.id}  {r.state:<9}  step {step}  {r.spec.get('method', '')}  {r.name}{extra}"
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    url: Annotated[
+        str | None, typer.Option(help="Server URL (default: $OPENTINKER_URL or the login file).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="API key (default: $OPENTINKER_API_KEY or the login file).")
+    ] = None,
+) -> None:
+    ctx.obj = {"url": url, "api_key": api_key}
+
+
+@app.command()
+@handles_errors
+def login(
+    ctx: typer.Context,
+    url: Annotated[str | None, typer.Option(help="Server URL.")] = None,
+    api_key: Annotated[str | None, typer.Option(help="API key (otk_...).")] = None,
+) -> None:
+    """Check a server URL and API key, then save them (mode 0600) for later commands."""
+    opts = ctx.find_root().obj or {}
+    url = url or opts.get("url") or typer.prompt("Server URL")
+    api_key = api_key or opts.get("api_key") or typer.prompt("API key", hide_input=True)
+    with Client(url, api_key) as client:
+        me = client.me()
+    path = config.save_file(config.Settings(url=url.rstrip("/"), api_key=api_key))
+    teams = ", ".join(t.slug for t in me.teams) or "no team"
+    err.print(f"logged in to {url} as {me.username} ({teams}); saved to {path}", highlight=False)
+
+
+@app.command()
+@handles_errors
+def whoami(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """The user, teams and API key the client acts as."""
+    with _client(ctx) as client:
+        me = client.me()
+        if as_json:
+            _dump({"url": client.url, **me.model_dump(mode="json")})
+            return
+        out.print(f"user   {me.username}", highlight=False)
+        out.print(f"server {client.url}", highlight=False)
+        for team in me.teams:
+            out.print(f"team   {team.slug} ({team.role or 'member'})", highlight=False)
+        if me.key:
+            out.print(
+                f"key    {me.key.prefix} '{me.key.name}' (team {me.key.team})", highlight=False
+            )
+
+
+def _follow(job: Job, as_json: bool, timeout: float | None) -> None:
+    job.wait(progress=not as_json, timeout=timeout)
+    if as_json:
+        _dump(job)
+    else:
+        out.print(_job_line(job), highlight=False)
+        final = job.metrics().final()
+        if final:
+            out.print(
+                "  " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(final.items())),
+                highlight=False,
+            )
+    if job.state != "SUCCEEDED":
+        raise typer.Exit(EXIT_JOB_FAILED)
+
+
+def _build_spec(spec_file: Path, overrides: list[str], schema: dict[str, Any]) -> dict[str, Any]:
+    spec = load_yaml(spec_file)
+    problems = check_spec(spec, schema)
+    if problems:
+        raise SpecError(
+            f"{spec_file}: " + "; ".join(f"{p['field']}: {p['reason']}" for p in problems),
+            problems,
+        )
+    return apply_overrides(spec, overrides, schema)
+
+
+@app.command()
+@handles_errors
+def submit(
+    ctx: typer.Context,
+    spec_file: Annotated[Path, typer.Argument(help="JobSpec YAML file.", metavar="SPEC.yaml")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="key=value or a.b.c=value overrides (e.g. rollout.group_size=8)."),
+    ] = None,
+    name: Annotated[str, typer.Option(help="Job name.")] = "",
+    team: Annotated[
+        str | None, typer.Option(help="Team slug (session users in several teams).")
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Wait for the end, with progress.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the final spec; send nothing.")
+    ] = False,
+    timeout: Annotated[
+        float | None, typer.Option(help="Give up following after this many seconds.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a job from a YAML spec with Hydra-style overrides; --follow waits for the end."""
+    if dry_run:
+        # Offline: the schema shipped with the client, nothing sent.
+        _dump(_build_spec(spec_file, overrides or [], shipped_schema()))
+        return
+    with _client(ctx) as client:
+        spec = _build_spec(spec_file, overrides or [], client.jobspec_schema())
+        job = client.jobs.submit(spec, name=name or spec_file.stem, team=team)
+        if not follow:
+            if as_json:
+                _dump(job)
+            else:
+                out.print(job.id, highlight=False)
+            return
+        err.print(f"submitted {job.id}", highlight=False)
+        _follow(job, as_json, timeout)
+
+
+@app.command("jobs")
+@handles_errors
+def list_jobs(
+    ctx: typer.Context,
+    state: Annotated[
+        list[str] | None, typer.Option(help="Only jobs in this state (repeatable).")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recent jobs of your team, newest first."""
+    with _client(ctx) as client:
+        jobs = client.jobs.list(state=[s.upper() for s in state] if state else None, limit=limit)
+        if as_json:
+            _dump(jobs)
+            return
+        table = Table("id", "state", "step", "method", "name", "created")
+        for job in jobs:
+            r = job.record
+            total = r.total_steps
+            table.add_row(
+                job.id,
+                r.state,
+                f"{r.current_step or 0}/{total}" if total else str(r.current_step or 0),
+                str(r.spec.get("method", "")),
+                r.name,
+                r.created.strftime("%Y-%m-%d %H:%M:%S"),
+            )
+        out.print(table)
+
+
+@app.command()
+@handles_errors
+def status(ctx: typer.Context, job_id: str, as_json: JsonOpt = False) -> None:
+    """One job's state, step and error (if any). Exit code 0 whatever the state."""
+    with _client(ctx) as client:
+        job = client.jobs.get(job_id)
+        if as_json:
+            _dump(job)
+        else:
+            out.print(_job_line(job), highlight=False)
+
+
+@app.command()
+@handles_errors
+def logs(
+    ctx: typer.Context,
+    job_id: str,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """The job's event log (state changes, runner messages)."""
+    with _client(ctx) as client:
+        job = client.jobs.get(job_id)
+        for event in job.events(follow=follow):
+            if as_json:
+                sys.stdout.write(event.model_dump_json() + "\n")
+                sys.stdout.flush()
+                continue
+            change = f" {event.from_state}->{event.to_state}" if event.to_state else ""
+            out.print(
+                f"{event.created:%H:%M:%S} {event.kind}{change} {event.message}".rstrip(),
+                highlight=False,
+            )
+
+
+@app.command()
+@handles_errors
+def metrics(
+    ctx: typer.Context,
+    job_id: str,
+    name: Annotated[list[str] | None, typer.Option(help="Only this metric (repeatable).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Metric series of a job: the last value of each (--json: every point)."""
+    with _client(ctx) as client:
+        series = client.jobs.get(job_id).metrics(names=name)
+        if as_json:
+            _dump(series)
+            return
+        table = Table("metric", "steps", "last step", "last value")
+        for key, points in sorted(series.series.items()):
+            table.add_row(key, str(len(points)), str(int(points[-1][0])), f"{points[-1][1]:.6g}")
+        out.print(table)
+
+
+@app.command()
+@handles_errors
+def cancel(ctx: typer.Context, job_id: str, as_json: JsonOpt = False) -> None:
+    """Cancel a job: a queued one at once, a running one within a step."""
+    with _client(ctx) as client:
+        job = client.jobs.get(job_id).cancel()
+        if as_json:
+            _dump(job)
+        else:
+            out.print(_job_line(job), highlight=False)
+
+
+@app.command()
+@handles_errors
+def download(
+    ctx: typer.Context,
+    job_id: str,
+    checkpoint: Annotated[
+        str | None, typer.Option(help="A checkpoint name, or 'latest' (its state.pt).")
+    ] = None,
+    artifact: Annotated[
+        str | None, typer.Option(help="An artifact: adapter, model, summary.json, eval/...")
+    ] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory or file.")] = Path("."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Download a job's adapter (default when it has one), an artifact or a checkpoint."""
+    if checkpoint and artifact:
+        err.print("error: give --checkpoint or --artifact, not both")
+        raise typer.Exit(2)
+    with _client(ctx) as client:
+        job = client.jobs.get(job_id)
+        if artifact is None and checkpoint is None:
+            names = {a.name for a in job.artifacts()}
+            if "adapter" in names:
+                artifact = "adapter"
+            elif "model" in names:
+                artifact = "model"
+            else:
+                checkpoint = "latest"
+        if checkpoint is not None:
+            output.mkdir(parents=True, exist_ok=True) if not output.suffix else None
+            path = job.download(None if checkpoint == "latest" else checkpoint, output)
+        else:
+            path = job.download_artifact(str(artifact), output)
+        if as_json:
+            _dump({"path": str(path)})
+        else:
+            out.print(str(path), highlight=False)
+
+
+@datasets_app.command("upload")
+@handles_errors
+def datasets_upload(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="A .jsonl or .parquet file.")],
+    env: Annotated[str, typer.Option(help="The env whose dataset schema the rows follow.")],
+    name: Annotated[
+        str | None, typer.Option(help="Dataset name (default: the file's stem).")
+    ] = None,
+    format: Annotated[
+        str | None, typer.Option(help="jsonl or parquet (default: from the extension).")
+    ] = None,
+    team: Annotated[str | None, typer.Option(help="Team slug.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Upload a dataset; every row is checked against the env's schema by the server."""
+    with _client(ctx) as client:
+        dataset = client.datasets.upload(file, env=env, name=name, format=format, team=team)
+        if as_json:
+            _dump(dataset)
+        else:
+            out.print(
+                f"{dataset.ref}  {dataset.name}  {dataset.rows} rows  env {dataset.env}",
+                highlight=False,
+            )
+
+
+@datasets_app.command("list")
+@handles_errors
+def datasets_list(
+    ctx: typer.Context,
+    env: Annotated[str | None, typer.Option(help="Only datasets for this env.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Your team's datasets."""
+    with _client(ctx) as client:
+        found = client.datasets.list(env=env)
+        if as_json:
+            _dump(found)
+            return
+        table = Table("ref", "name", "env", "format", "rows")
+        for d in found:
+            table.add_row(d.ref, d.name, d.env, d.format, str(d.rows))
+        out.print(table)
+
+
+@keys_app.command("list")
+@handles_errors
+def keys_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """API keys of your team (never their secrets)."""
+    with _client(ctx) as client:
+        found = client.keys.list()
+        if as_json:
+            _dump(found)
+            return
+        table = Table("id", "name", "prefix", "team", "active", "expires")
+        for k in found:
+            expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else ""
+            table.add_row(str(k.id), k.name, k.prefix, k.team, "yes" if k.active else "no", expires)
+        out.print(table)
+
+
+def _issued(key: Any, as_json: bool) -> None:
+    if as_json:
+        _dump(key)
+        return
+    err.print(f"key {key.id} '{key.name}' for team {key.team}; store it now, it is shown once:")
+    out.print(key.key, highlight=False)
+
+
+@keys_app.command("create")
+@handles_errors
+def keys_create(
+    ctx: typer.Context,
+    name: str,
+    expires_at: Annotated[str | None, typer.Option(help="ISO 8601 expiry time.")] = None,
+    team: Annotated[str | None, typer.Option(help="Team slug.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a key; its secret is printed once."""
+    with _client(ctx) as client:
+        _issued(client.keys.create(name, expires_at=expires_at, team=team), as_json)
+
+
+@keys_app.command("rotate")
+@handles_errors
+def keys_rotate(
+    ctx: typer.Context,
+    key_id: int,
+    grace_hours: Annotated[
+        float | None, typer.Option(help="Hours the old key keeps working.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Issue a successor key; the old one works for the grace period, then expires."""
+    with _client(ctx) as client:
+        _issued(client.keys.rotate(key_id, grace_hours=grace_hours), as_json)
+
+
+@keys_app.command("revoke")
+@handles_errors
+def keys_revoke(ctx: typer.Context, key_id: int, as_json: JsonOpt = False) -> None:
+    """Revoke a key at once."""
+    with _client(ctx) as client:
+        key = client.keys.revoke(key_id)
+        if as_json:
+            _dump(key)
+        else:
+            out.print(f"revoked key {key.id} '{key.name}' ({key.prefix})", highlight=False)
+
+
+def main() -> None:
+    try:
+        app(prog_name="opentinker")
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    sys.exit(EXIT_OK)

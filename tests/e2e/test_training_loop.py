@@ -1,0 +1,141 @@
+"""The native training loop in-process (no Django, no worker): resume replays exactly.
+
+A run interrupted after a checkpoint and resumed by a fresh loop (a new policy object, as on a
+new worker) logs the same metrics and ends with the same adapter, bit for bit, as a run that
+was never interrupted: the checkpoint plus the data cursor is the whole state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jobs.spec import parse_spec
+from tests.e2e.rows import addition_rows
+from training.engine import Engine
+from workers.runners.loop import TrainingLoop
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Recorder:
+    """A LoopContext that keeps what the loop reports; `stop_after` steps, it says stop."""
+
+    def __init__(self, workdir: Path, stop_after: int | None = None, attempt: int = 1) -> None:
+        self.workdir = workdir
+        self.attempt = attempt
+        self.stop_after = stop_after
+        self.metrics: dict[int, dict[str, float]] = {}
+        self.events: list[tuple[str, Any]] = []
+
+    def cancelled(self) -> bool:
+        trained = [s for s in self.metrics if s > 0]
+        return self.stop_after is not None and len(trained) >= self.stop_after
+
+    def heartbeat(self, step: int | None = None, *, force: bool = False) -> None:
+        pass
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def event(self, message: str, data: Mapping[str, Any] | None = None) -> None:
+        self.events.append((message, data))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    torch.set_num_threads(1)
+    return Engine(tiny_model_dir)
+
+
+def run_loop(engine: Engine, ctx: Recorder, spec: Any, policy_id: str) -> bool:
+    loop = TrainingLoop(
+        ctx,
+        spec,
+        engine,
+        rows=addition_rows(200),
+        eval_rows=addition_rows(8, 300),
+        policy_id=policy_id,
+    )
+    try:
+        return loop.run()
+    finally:
+        loop.close()
+
+
+def test_it_resumes_from_a_checkpoint_exactly_where_the_run_stopped(
+    engine: Engine, tmp_path: Path
+) -> None:
+    spec = parse_spec(
+        {
+            "method": "rl",
+            "env": "math",
+            "dataset": "builtin:unused",
+            "steps": 4,
+            "seed": 11,
+            "checkpoint_every": 2,
+            "rollout": {"group_size": 4, "prompts_per_step": 3, "max_tokens": 10},
+            "lora": {"rank": 4, "alpha": 8},
+            "optimizer": {"lr": 1e-3},
+        }
+    )
+    straight = Recorder(tmp_path / "straight")
+    assert run_loop(engine, straight, spec, "straight") is True
+
+    broken = tmp_path / "broken"
+    first = Recorder(broken, stop_after=3)
+    assert run_loop(engine, first, spec, "first") is False
+    assert sorted(first.metrics) == [1, 2, 3]
+    second = Recorder(broken, attempt=2)
+    assert run_loop(engine, second, spec, "second") is True
+
+    assert sorted(second.metrics) == [3, 4]
+    assert second.events[0][1] == {"checkpoint": "step-000002", "step": 2, "cursor": 6}
+    assert any(straight.metrics[s]["datums"] > 0 for s in (1, 2, 3, 4))
+    for step in (3, 4):
+        for name in ("reward/mean", "loss", "grad_norm", "entropy"):
+            assert second.metrics[step][name] == straight.metrics[step][name], (step, name)
+    a = load_file(tmp_path / "straight" / "adapter" / "adapter_model.safetensors")
+    b = load_file(broken / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(float(t.abs().sum()) > 0 for k, t in a.items() if "lora_B" in k)
+
+
+def test_it_evaluates_greedily_on_held_out_rows_and_trains_sft_on_answers(
+    engine: Engine, tmp_path: Path
+) -> None:
+    spec = parse_spec(
+        {
+            "method": "sft",
+            "env": "math",
+            "dataset": "builtin:unused",
+            "steps": 3,
+            "batch_size": 8,
+            "eval_every": 3,
+            "eval_examples": 8,
+            "checkpoint_every": 0,
+            "lora": {"rank": 4, "alpha": 8},
+        }
+    )
+    ctx = Recorder(tmp_path)
+    assert run_loop(engine, ctx, spec, "sft") is True
+    assert sorted(ctx.metrics) == [0, 1, 2, 3]
+    assert ctx.metrics[0]["eval/episodes"] == ctx.metrics[3]["eval/episodes"] == 8
+    assert 0.0 <= ctx.metrics[3]["eval/accuracy"] <= 1.0
+    transcript = (tmp_path / "eval" / "step-000003.jsonl").read_text().splitlines()
+    assert len(transcript) == 8
+    assert all(ctx.metrics[s]["loss"] > 0 for s in (1, 2, 3))
+    # The datum of a row: loss only on the boxed answer and the end-of-turn token.
+    loop = TrainingLoop(ctx, spec, engine, rows=addition_rows(4), eval_rows=[], policy_id="probe")
+    try:
+        datum = loop.sft_datum({"question": "What is 12+30?", "answer": "42"})
+    finally:
+        loop.close()
+    weights = datum.loss_fn_inputs["weights"]
+    targets = datum.loss_fn_inputs["target_tokens"][weights > 0].tolist()
+    assert engine.tokenizer.decode(targets) == "\\boxed{42}<|im_end|>"

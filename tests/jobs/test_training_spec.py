@@ -1,0 +1,103 @@
+"""JobSpec v1 training fields (rl / sft): defaults, ranges, impossible combinations."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.spec import SpecError, check_base_model_limits, parse_spec
+
+MATH = {"env": "math", "dataset": "builtin:arith_train"}
+
+
+def errors_of(data: dict) -> list[dict[str, str]]:
+    with pytest.raises(SpecError) as exc:
+        parse_spec(data)
+    return exc.value.errors
+
+
+def test_it_fills_in_training_defaults_and_round_trips_the_stored_form():
+    spec = parse_spec({"method": "rl", **MATH})
+    assert spec.algorithm.advantage == "grpo" and spec.algorithm.loss == "importance_sampling"
+    assert spec.algorithm.kl_coef == 0.0
+    assert (spec.rollout.group_size, spec.rollout.prompts_per_step) == (4, 8)
+    assert spec.lora.target_modules == "all-linear" and not spec.full_finetune
+    assert spec.optimizer.betas == [0.9, 0.95] and spec.runner == "native"
+    # The stored spec lists every field (smoke fields included): it must parse again.
+    stored = spec.model_dump(mode="json")
+    assert parse_spec(stored) == spec
+    sft = parse_spec({"method": "sft", **MATH, "full_finetune": True, "batch_size": 4})
+    assert parse_spec(sft.model_dump(mode="json")) == sft
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"lora": {"rank": 0}}, "lora.rank"),
+        ({"lora": {"alpha": 0}}, "lora.alpha"),
+        ({"lora": {"target_modules": []}}, "lora.target_modules"),
+        ({"lora": {"target_modules": ["q_proj", "q_proj"]}}, "lora.target_modules"),
+        ({"lora": {"dropout": 0.1}}, "lora.dropout"),
+        ({"rollout": {"group_size": 0}}, "rollout.group_size"),
+        ({"rollout": {"temperature": 2.5}}, "rollout.temperature"),
+        ({"rollout": {"top_p": 0}}, "rollout.top_p"),
+        ({"rollout": {"max_tokens": "64"}}, "rollout.max_tokens"),
+        ({"rollout": {"max_turns": 4}}, "rollout.max_turns"),
+        ({"algorithm": {"advantage": "gae"}}, "algorithm.advantage"),
+        ({"algorithm": {"loss": "reinforce"}}, "algorithm.loss"),
+        ({"algorithm": {"kl_coef": -0.1}}, "algorithm.kl_coef"),
+        ({"algorithm": {"loss": "ppo", "dro_beta": 0.1}}, "algorithm.dro_beta"),
+        ({"algorithm": {"clip_low": 0.5}}, "algorithm.clip_low"),
+        ({"algorithm": {"advantage": "grpo_per_step"}}, "algorithm.advantage"),
+        ({"algorithm": {"advantage": "rloo"}, "rollout": {"group_size": 1}}, "rollout.group_size"),
+        ({"optimizer": {"lr": 0}}, "optimizer.lr"),
+        ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas"),
+        ({"optimizer": {"grad_clip": -1}}, "optimizer.grad_clip"),
+        ({"steps": 0}, "steps"),
+        ({"eval_every": -1}, "eval_every"),
+        ({"seed": -1}, "seed"),
+        ({"runner": "deepspeed"}, "runner"),
+        ({"env_config": {"temperature": 1}}, "env_config.temperature"),
+        ({"full_finetune": True, "lora": {"rank": 4}}, "lora"),
+    ],
+)
+def test_it_names_the_field_of_a_bad_rl_setting(extra, field):
+    errors = errors_of({"method": "rl", **MATH, **extra})
+    assert field in [e["field"] for e in errors], errors
+    assert all(e["reason"] for e in errors)
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"method": "sft", **MATH, "rollout": {"group_size": 2}}, "rollout"),
+        ({"method": "sft", **MATH, "algorithm": {"loss": "ppo"}}, "algorithm"),
+        ({"method": "sft", "env": "bandit"}, "env"),
+        ({"method": "sft", **MATH, "runner": "verl"}, "runner"),
+        ({"method": "smoke", "steps": 3}, "steps"),
+        ({"method": "smoke", "lora": {"rank": 4}}, "lora"),
+    ],
+)
+def test_it_refuses_settings_the_method_does_not_use(data, field):
+    assert field in [e["field"] for e in errors_of(data)]
+
+
+def test_it_accepts_multi_turn_settings_on_a_multi_turn_env():
+    spec = parse_spec(
+        {
+            "method": "rl",
+            "env": "gomoku",
+            "rollout": {"max_turns": 12, "group_size": 2},
+            "algorithm": {"advantage": "grpo_per_step", "normalize_std": True},
+        }
+    )
+    assert spec.rollout.max_turns == 12
+
+
+def test_it_checks_the_base_models_limits():
+    spec = parse_spec(
+        {"method": "rl", **MATH, "lora": {"rank": 128}, "rollout": {"max_tokens": 2048}}
+    )
+    errors = check_base_model_limits(spec, max_lora_rank=64, max_context=1024)
+    assert [e["field"] for e in errors] == ["lora.rank", "rollout.max_tokens"]
+    full = parse_spec({"method": "sft", **MATH, "full_finetune": True})
+    assert check_base_model_limits(full, max_lora_rank=1, max_context=1024) == []

@@ -1,0 +1,86 @@
+"""Fixtures for the live Tinker protocol tests: a base model on disk and SDK clients.
+
+The base model is the project's tiny chat model when it has been built
+(``scripts/build_tiny_model.py``); otherwise a small random Qwen2 model with a byte-level
+tokenizer is saved to a temporary directory, so the protocol tests never depend on it.
+Either way the directory is a real Hugging Face model the SDK's tokenizer helper loads
+offline (``get_info`` names it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from training.model import DEFAULT_BASE_MODEL
+
+BASE_NAME = "tiny-tinker"
+
+
+def _build_random_model(out: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    corpus = [f"{a}+{b}={a + b}. the quick brown fox {a * b}." for a in range(50) for b in range(9)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        corpus,
+        trainer=trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>"
+    )
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    built = Path(DEFAULT_BASE_MODEL)
+    if (built / "config.json").is_file() and (built / "tokenizer.json").is_file():
+        return built
+    return _build_random_model(tmp_path_factory.mktemp("tinker-base"))
+
+
+@pytest.fixture
+def tinker_base(transactional_db: None, base_model_dir: Path) -> Any:
+    """The BaseModel registry row the SDK names (``base_model="tiny-tinker"``)."""
+    from jobs.models import BaseModel
+
+    row, _ = BaseModel.objects.update_or_create(
+        name=BASE_NAME,
+        defaults={"path": str(base_model_dir), "max_lora_rank": 64, "max_context": 512},
+    )
+    return row

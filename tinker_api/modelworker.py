@@ -1,0 +1,719 @@
+"""The model worker: one long-running task per base model that executes Tinker requests.
+
+The task ``tinker_api.serve_base_model`` runs on a GPU worker inside a block leased from the
+lock table. It loads the base model once (``training.Engine``) and serves every LoRA created on
+it, reading requests from the Redis stream of its base model. Requests of one model run in
+``seq_id`` order (a later one waits until the gap fills); forward/backward requests that are
+ready at the same time, across models and chunks, run as ONE engine call through the
+multi-LoRA path, each request keeping its own loss and metrics; every pending sample request
+runs in one multi-adapter generation batch.
+
+Results go to the request's future (``tinker_api.futures``). A worker heartbeats its lease
+and its ``alive`` key; when it dies, polls of the futures it had claimed fail with a clear
+error, and the next worker rebuilds each model from its last saved state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from celery import shared_task
+
+from tinker_api import futures, wire
+from workers import conf
+from workers.locktable import GpuLockTable, Lease
+
+log = logging.getLogger(__name__)
+
+# Tinker's LoRA scaling is alpha / rank with a fixed alpha.
+LORA_ALPHA = 32.0
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# How long a model may wait on a missing seq_id before the worker checks whether that
+# request was lost with a dead worker.
+GAP_CHECK_SECONDS = 1.0
+
+
+def idle_seconds() -> int:
+    """A worker with nothing to do for this long gives its GPU block back."""
+    return conf._int_setting("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", 600, minimum=1)
+
+
+def torch_threads() -> int:
+    return conf._int_setting("OPENTINKER_TINKER_TORCH_THREADS", 2, minimum=1)
+
+
+class RequestError(Exception):
+    """A request that cannot run: its future fails with ``category`` (``user`` by default)."""
+
+    def __init__(self, message: str, category: str = "user") -> None:
+        super().__init__(message)
+        self.category = category
+
+
+@dataclass
+class Op:
+    """One request read from the stream."""
+
+    fields: dict[str, Any]
+    body: bytes | None = None
+
+    @property
+    def kind(self) -> str:
+        return str(self.fields["op"])
+
+    @property
+    def rid(self) -> str:
+        return str(self.fields["rid"])
+
+    @property
+    def model(self) -> str:
+        return str(self.fields.get("model", ""))
+
+    @property
+    def seq(self) -> int:
+        return int(self.fields.get("seq", 0))
+
+
+def target_modules(config: Mapping[str, Any]) -> tuple[str, ...]:
+    modules: tuple[str, ...] = ()
+    if config.get("train_attn", True):
+        modules += ATTN_MODULES
+    if config.get("train_mlp", True):
+        modules += MLP_MODULES
+    if not modules:
+        raise RequestError("lora_config must train the attention or the MLP layers")
+    return modules
+
+
+def _datums(batch: wire.ForwardBackwardBatch) -> list[Any]:
+    import torch
+
+    from training.types import Datum
+
+    out = []
+    for i, d in enumerate(batch.datums):
+        inputs = {}
+        for name, arr in d.loss_fn_inputs.items():
+            if arr.ndim != 1:
+                raise RequestError(
+                    f"data[{i}].loss_fn_inputs[{name!r}]: only one value per position is "
+                    f"supported, got shape {list(arr.shape)}"
+                )
+            inputs[name] = torch.from_numpy(np.ascontiguousarray(arr))
+        try:
+            out.append(Datum(model_input=torch.tensor(d.tokens, dtype=torch.long), loss_fn_inputs=inputs))
+        except ValueError as exc:
+            raise RequestError(f"data[{i}]: {exc}") from exc
+    return out
+
+
+def _pad_inputs(datums: list[Any]) -> None:
+    """Give every datum the same loss input names (zeros where absent): one engine call
+    collates them together, and each request's loss reads only its own names."""
+    import torch
+
+    names = set().union(*(d.loss_fn_inputs for d in datums))
+    for d in datums:
+        for name in names - set(d.loss_fn_inputs):
+            dtype = torch.long if name == "target_tokens" else torch.float32
+            d.loss_fn_inputs[name] = torch.zeros(d.length, dtype=dtype)
+
+
+class ModelWorker:
+    """Serves every model of one base model from one ``Engine``."""
+
+    def __init__(self, base: str, base_path: str, device: str, worker_id: str) -> None:
+        import torch
+
+        from training.engine import Engine
+
+        if device == "cpu":
+            torch.set_num_threads(torch_threads())
+        self.base = base
+        self.worker_id = worker_id
+        self.engine = Engine(base_path, device=device)
+        self.policies: dict[str, Any] = {}
+        self.next: dict[str, int] = {}
+        self.pending: dict[str, dict[int, Op]] = {}
+        self.waiting_since: dict[str, float] = {}
+        self.samples: list[Op] = []
+        # Sampler checkpoints loaded from disk (not in memory as a live snapshot): host keys.
+        self.loaded_samplers: dict[str, str] = {}
+        self.last_activity = time.monotonic()
+        self.stopping = threading.Event()
+
+    # ---------------------------------------------------------------- reading
+
+    def read(self, block_ms: int) -> int:
+        r = conf.get_redis()
+        got = r.xreadgroup(
+            futures.GROUP,
+            self.worker_id,
+            {futures.stream_key(self.base): ">"},
+            count=512,
+            block=block_ms or None,
+        )
+        n = 0
+        for _stream, entries in got or []:
+            for entry_id, raw in entries:
+                fields = {k.decode(): v for k, v in raw.items()}
+                op = Op(
+                    fields=json.loads(fields["op"]),
+                    body=fields.get("body"),
+                )
+                futures.claim(op.rid, self.worker_id)
+                r.xack(futures.stream_key(self.base), futures.GROUP, entry_id)
+                self._accept(op)
+                n += 1
+        if n:
+            self.last_activity = time.monotonic()
+        return n
+
+    def _accept(self, op: Op) -> None:
+        if op.kind == "sample":
+            self.samples.append(op)
+            return
+        model = op.model
+        if model not in self.next:
+            self.next[model] = futures.next_seq(model)
+        if op.seq < self.next[model] or op.seq in self.pending.get(model, {}):
+            futures.fail(op.rid, f"request seq_id {op.seq} of {model} was already executed")
+            return
+        self.pending.setdefault(model, {})[op.seq] = op
+
+    def has_runnable(self) -> bool:
+        if self.samples:
+            return True
+        return any(self.next.get(m, 0) in ops for m, ops in self.pending.items() if ops)
+
+    # ---------------------------------------------------------------- scheduling
+
+    def step(self) -> bool:
+        """Run what is ready; True if anything ran."""
+        progressed = False
+        if self.samples:
+            batch, self.samples = self.samples, []
+            self._run_samples(batch)
+            progressed = True
+        fwdbwd: dict[bool, list[Op]] = {False: [], True: []}
+        for model in list(self.pending):
+            ops = self.pending[model]
+            seq = self.next.get(model, 0)
+            if seq not in ops:
+                if ops:
+                    self._check_gap(model)
+                continue
+            self.waiting_since.pop(model, None)
+            first = ops[seq]
+            if first.kind != "fwdbwd":
+                del ops[seq]
+                self._run_single(first)
+                self._advance(model, seq + 1)
+                progressed = True
+                continue
+            forward_only = bool(first.fields.get("forward_only"))
+            # Consecutive chunks of one call (or calls) batch together.
+            while seq in ops and ops[seq].kind == "fwdbwd" and bool(
+                ops[seq].fields.get("forward_only")
+            ) == forward_only:
+                fwdbwd[forward_only].append(ops.pop(seq))
+                seq += 1
+            self._advance(model, seq)
+        for forward_only, ops_list in fwdbwd.items():
+            if ops_list:
+                self._run_fwdbwd(ops_list, forward_only)
+                progressed = True
+        for model in [m for m, ops in self.pending.items() if not ops]:
+            del self.pending[model]
+        if progressed:
+            self.last_activity = time.monotonic()
+        return progressed
+
+    def _advance(self, model: str, seq: int) -> None:
+        self.next[model] = seq
+        futures.set_next_seq(model, seq)
+
+    def _check_gap(self, model: str) -> None:
+        """A seq_id that never arrives: skip it if its request was lost with a dead worker."""
+        now = time.monotonic()
+        since = self.waiting_since.setdefault(model, now)
+        if now - since < GAP_CHECK_SECONDS:
+            return
+        self.waiting_since[model] = now
+        seq = self.next[model]
+        rid = conf.get_redis().get(f"{futures.PREFIX}dedupe:seq:{model}:{seq}")
+        if rid is None:
+            return
+        fut = futures.get(rid.decode())
+        if fut is None or fut.get("status") in futures.FINAL:
+            lost = True
+        else:
+            owner = fut.get("worker")
+            lost = fut.get("status") == futures.CLAIMED and owner != self.worker_id and not (
+                owner and futures.worker_alive(owner)
+            )
+        if lost:
+            futures.fail(rid.decode(), "the model worker executing this request stopped")
+            self._advance(model, seq + 1)
+
+    # ---------------------------------------------------------------- models
+
+    def _policy(self, model_id: str) -> Any:
+        policy = self.policies.get(model_id)
+        if policy is None:
+            # This worker has not seen the model: it was served by a worker that stopped.
+            # Rebuild it from its last saved state (what a dead worker loses is documented).
+            policy = self._rebuild(model_id)
+        return policy
+
+    def _row(self, model_id: str) -> Any:
+        from tinker_api.models import TrainingModel
+
+        row = TrainingModel.objects.filter(pk=model_id).first()
+        if row is None:
+            raise RequestError(f"unknown model {model_id}")
+        return row
+
+    def _new_policy(self, model_id: str, config: Mapping[str, Any]) -> Any:
+        if model_id in self.policies:
+            self.engine.remove_policy(model_id)
+            del self.policies[model_id]
+        try:
+            policy = self.engine.create_policy(
+                rank=int(config["rank"]),
+                alpha=LORA_ALPHA,
+                target_modules=target_modules(config),
+                seed=int(config.get("seed") or 0),
+                policy_id=model_id,
+            )
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        self.policies[model_id] = policy
+        return policy
+
+    def _rebuild(self, model_id: str) -> Any:
+        from tinker_api.models import Checkpoint
+
+        row = self._row(model_id)
+        policy = self._new_policy(model_id, row.worker_config())
+        last = (
+            Checkpoint.objects.filter(model_id=model_id, kind=Checkpoint.Kind.TRAINING)
+            .order_by("-created")
+            .first()
+        )
+        source = str(last.file_path()) if last is not None else row.init_checkpoint
+        if source:
+            policy.load_state(source)
+        log.warning("model %s rebuilt from %s", model_id, source or "its initial weights")
+        return policy
+
+    # ---------------------------------------------------------------- single requests
+
+    def _run_single(self, op: Op) -> None:
+        try:
+            handler: Callable[[Op], dict[str, Any]] = getattr(self, f"_op_{op.kind}")
+            body = handler(op)
+        except RequestError as exc:
+            futures.fail(op.rid, str(exc), exc.category)
+            return
+        except Exception as exc:
+            log.exception("request %s (%s) failed", op.rid, op.kind)
+            futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+            return
+        futures.complete(op.rid, json_body=json.dumps(body).encode())
+
+    def _op_create(self, op: Op) -> dict[str, Any]:
+        f = op.fields
+        policy = self._new_policy(op.model, f["config"])
+        if f.get("init"):
+            self._load(policy, f["init"], optimizer=bool(f.get("optimizer")))
+        return {"type": "create_model", "model_id": op.model} if not f.get("init") else {
+            "type": "load_weights",
+            "model_id": op.model,
+            "path": f.get("path"),
+        }
+
+    def _load(self, policy: Any, file: str, *, optimizer: bool) -> None:
+        if not Path(file).is_file():
+            raise RequestError("the checkpoint's file is gone (deleted or expired)")
+        try:
+            policy.load_state(file)
+        except ValueError as exc:
+            raise RequestError(f"cannot load this checkpoint into the model: {exc}") from exc
+        if not optimizer:
+            # Weights only: the optimizer starts afresh, as a new model's would.
+            policy.optimizer.state.clear()
+
+    def _op_load(self, op: Op) -> dict[str, Any]:
+        self._load(self._policy(op.model), op.fields["file"], optimizer=bool(op.fields["optimizer"]))
+        return {"type": "load_weights", "path": op.fields.get("path")}
+
+    def _op_optim(self, op: Op) -> dict[str, Any]:
+        from training.ops import optim_step
+        from training.types import AdamParams
+
+        params = op.fields["adam"]
+        try:
+            adam = AdamParams(**params)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"adam_params: {exc}") from exc
+        metrics = optim_step(self._policy(op.model), adam)
+        return {"metrics": {f"optim/{k}:mean": float(v) for k, v in metrics.items()}}
+
+    def _op_save_state(self, op: Op) -> dict[str, Any]:
+        from tinker_api.models import Checkpoint
+
+        policy = self._policy(op.model)
+        ckpt = Checkpoint.objects.get(pk=op.fields["checkpoint"])
+        path = ckpt.file_path()
+        policy.save_state(path)
+        Checkpoint.objects.filter(pk=ckpt.pk).update(
+            size_bytes=path.stat().st_size, step=policy.step
+        )
+        return {"type": "save_weights", "path": ckpt.tinker_path}
+
+    def _op_save_sampler(self, op: Op) -> dict[str, Any]:
+        from tinker_api.models import Checkpoint, SamplingSession
+
+        policy = self._policy(op.model)
+        ckpt = Checkpoint.objects.get(pk=op.fields["checkpoint"])
+        version = policy.snapshot()
+        out = policy.export_peft(version, ckpt.file_path())
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        Checkpoint.objects.filter(pk=ckpt.pk).update(
+            size_bytes=size, step=policy.step, version=version
+        )
+        session_id = op.fields.get("sampling_session_id")
+        if session_id:
+            SamplingSession.objects.filter(pk=session_id).update(checkpoint=ckpt)
+            return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
+        return {"type": "save_weights_for_sampler", "path": ckpt.tinker_path}
+
+    # ---------------------------------------------------------------- forward/backward
+
+    def _run_fwdbwd(self, ops: list[Op], forward_only: bool) -> None:
+        prepared = []
+        for op in ops:
+            try:
+                batch = wire.decode_forward_backward(
+                    op.body or b"",
+                    content_type=op.fields.get("ctype"),
+                    forward_only=forward_only,
+                )
+                datums = _datums(batch)
+                policy = self._policy(op.model)
+                prepared.append((op, batch, datums, policy))
+            except RequestError as exc:
+                futures.fail(op.rid, str(exc), exc.category)
+            except Exception as exc:
+                log.exception("request %s: bad forward/backward", op.rid)
+                futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+        if not prepared:
+            return
+        try:
+            results = self._fwdbwd_call(prepared, forward_only)
+        except Exception:
+            if len(prepared) == 1:
+                results = None
+            else:
+                # One request's bad input must not fail its batch mates: run each alone to
+                # find which one it was. Nothing has been accumulated (the loss failed first).
+                log.info("batched forward/backward failed; running its %d requests alone", len(prepared))
+                results = None
+            if results is None:
+                for item in prepared:
+                    try:
+                        (one,) = self._fwdbwd_call([item], forward_only)
+                        self._complete_fwdbwd(item[0], *one)
+                    except Exception as exc:
+                        category = "user" if isinstance(exc, (ValueError, RequestError)) else "server"
+                        futures.fail(item[0].rid, f"{type(exc).__name__}: {exc}", category)
+                return
+        for item, (outputs, metrics) in zip(prepared, results, strict=True):
+            self._complete_fwdbwd(item[0], outputs, metrics)
+
+    def _fwdbwd_call(
+        self, prepared: list[tuple[Op, wire.ForwardBackwardBatch, list[Any], Any]], forward_only: bool
+    ) -> list[tuple[list[dict[str, Any]], dict[str, float]]]:
+        import torch
+
+        from training import ops as engine_ops
+        from training.losses import LossBatch, get_loss
+
+        all_datums: list[Any] = []
+        policies: list[Any] = []
+        groups: list[tuple[list[int], Any, dict[str, Any]]] = []
+        for _op, batch, datums, policy in prepared:
+            if batch.loss_fn == "custom":
+                raise RequestError("loss_fn 'custom' runs on the client (forward_backward_custom)")
+            rows = list(range(len(all_datums), len(all_datums) + len(datums)))
+            groups.append((rows, get_loss(batch.loss_fn), dict(batch.loss_fn_config or {})))
+            all_datums.extend(datums)
+            policies.extend([policy] * len(datums))
+        _pad_inputs(all_datums)
+        per_request: list[dict[str, float]] = []
+
+        def grouped_loss(lb: LossBatch, _config: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
+            total = None
+            for rows, fn, config in groups:
+                index = torch.tensor(rows, device=lb.logprobs.device)
+                sub = LossBatch(
+                    lb.logprobs[index], {k: v[index] for k, v in lb.inputs.items()}, lb.mask[index]
+                )
+                loss, metrics = fn(sub, config)
+                values = {k: float(v.detach()) for k, v in metrics.items()}
+                values.setdefault("loss:sum", float(loss.detach()))
+                per_request.append(values)
+                total = loss if total is None else total + loss
+            assert total is not None
+            return total, {}
+
+        run = engine_ops.forward if forward_only else engine_ops.forward_backward
+        result = run(policies, all_datums, grouped_loss)
+        out = []
+        for (rows, _fn, _config), metrics in zip(groups, per_request, strict=True):
+            outputs = [{"logprobs": result.logprobs[i].float()} for i in rows]
+            out.append((outputs, metrics))
+        return out
+
+    def _complete_fwdbwd(self, op: Op, outputs: list[dict[str, Any]], metrics: dict[str, float]) -> None:
+        proto = wire.encode_forward_backward_output(outputs, metrics, protobuf=True)
+        plain = wire.encode_forward_backward_output(outputs, metrics, protobuf=False)
+        futures.complete(op.rid, json_body=plain.content, proto_body=proto.content)
+
+    # ---------------------------------------------------------------- sampling
+
+    def _sampler_key(self, target: Mapping[str, Any]) -> str | None:
+        """The host adapter key that samples ``target``: None for the base model, a live
+        snapshot of a model in memory, else the sampler checkpoint loaded from disk."""
+        if not target.get("model"):
+            return None
+        model_id, version = target["model"], target.get("version")
+        policy = self.policies.get(model_id)
+        if policy is not None and version is not None and version in policy.versions:
+            return policy.version_key(int(version))
+        file = target.get("file")
+        if not file:
+            raise RequestError("the sampler weights are not ready yet")
+        key = self.loaded_samplers.get(file)
+        if key is None:
+            key = self._load_sampler(file, target)
+        return key
+
+    def _load_sampler(self, file: str, target: Mapping[str, Any]) -> str:
+        from safetensors.torch import load_file
+
+        directory = Path(file)
+        weights_file = directory / "adapter_model.safetensors"
+        if not weights_file.is_file():
+            raise RequestError("the sampler checkpoint's files are gone (deleted or expired)")
+        tensors = load_file(str(weights_file), device=str(self.engine.device))
+        weights: dict[str, tuple[Any, Any]] = {}
+        for name, tensor in tensors.items():
+            if not name.endswith(".lora_A.weight"):
+                continue
+            module = name[len("base_model.model.") : -len(".lora_A.weight")]
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            weights[module] = (tensor, b)
+        key = f"sampler:{uuid.uuid4().hex[:12]}"
+        self.engine.host.register(key, weights, LORA_ALPHA / int(target["rank"]))
+        self.loaded_samplers[file] = key
+        return key
+
+    def _run_samples(self, ops: list[Op]) -> None:
+        from training.sampler import generate, sequence_logprobs
+        from training.types import SamplingParams
+
+        rows_prompts: list[list[int]] = []
+        rows_params: list[Any] = []
+        rows_keys: list[str | None] = []
+        rows_index: list[int] = []
+        owners: list[tuple[Op, list[int], str | None, list[int]]] = []
+        try:
+            for op in ops:
+                f = op.fields
+                try:
+                    key = self._sampler_key(f["target"])
+                    sp = f["params"]
+                    params = SamplingParams(
+                        max_tokens=int(sp["max_tokens"]),
+                        temperature=float(sp["temperature"]),
+                        top_p=float(sp["top_p"]),
+                        top_k=max(0, int(sp["top_k"])),
+                        seed=sp.get("seed"),
+                        stop=tuple(sp.get("stop_strings") or ()),
+                        stop_token_ids=tuple(sp.get("stop_ids") or ()),
+                    )
+                except (RequestError, ValueError, KeyError) as exc:
+                    futures.fail(op.rid, str(exc), "user")
+                    continue
+                prompt = [int(t) for t in f["prompt"]]
+                rows = []
+                for j in range(int(f["n"])):
+                    rows.append(len(rows_prompts))
+                    rows_prompts.append(prompt)
+                    rows_params.append(params)
+                    rows_keys.append(key)
+                    rows_index.append(j)
+                owners.append((op, rows, key, prompt))
+            if not owners:
+                return
+            try:
+                seqs = generate(
+                    self.engine.model,
+                    self.engine.tokenizer,
+                    rows_prompts,
+                    rows_params,
+                    adapters=rows_keys,
+                    host=self.engine.host,
+                    sample_indices=rows_index,
+                )
+                wants = [o for o in owners if o[0].fields.get("prompt_logprobs")]
+                prompt_lps = (
+                    sequence_logprobs(
+                        self.engine.model,
+                        [o[3] for o in wants],
+                        adapters=[o[2] for o in wants],
+                        host=self.engine.host,
+                    )
+                    if wants
+                    else []
+                )
+            except Exception as exc:
+                log.exception("sampling batch failed")
+                for op, *_ in owners:
+                    futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+                return
+            lp_of = {id(o[0]): lp for o, lp in zip(wants, prompt_lps, strict=True)}
+            for op, rows, _key, _prompt in owners:
+                out = [
+                    wire.SampledSequenceOut(
+                        tokens=seqs[i].tokens, stop_reason=seqs[i].stop_reason, logprobs=seqs[i].logprobs
+                    )
+                    for i in rows
+                ]
+                prompt_lp = lp_of.get(id(op))
+                proto = wire.encode_sample_response(out, protobuf=True, prompt_logprobs=prompt_lp)
+                plain = wire.encode_sample_response(out, protobuf=False, prompt_logprobs=prompt_lp)
+                futures.complete(op.rid, json_body=plain.content, proto_body=proto.content)
+        finally:
+            futures.samples_answered(self.base, len(ops))
+
+    # ---------------------------------------------------------------- shutdown
+
+    def fail_everything(self, reason: str) -> None:
+        for ops in self.pending.values():
+            for op in ops.values():
+                futures.fail(op.rid, reason)
+        for op in self.samples:
+            futures.fail(op.rid, reason)
+        futures.samples_answered(self.base, len(self.samples))
+        self.pending.clear()
+        self.samples = []
+
+    def serve(self) -> str:
+        """Run until idle for ``idle_seconds()`` or stopped; returns why it ended."""
+        idle = idle_seconds()
+        while not self.stopping.is_set():
+            self.read(0 if self.has_runnable() else 200)
+            if self.step():
+                continue
+            if not self.pending and not self.samples:
+                if time.monotonic() - self.last_activity > idle:
+                    return "idle"
+        return "stopped"
+
+
+class Heartbeat(threading.Thread):
+    """Renews the lease and the worker's registration every heartbeat interval."""
+
+    def __init__(self, table: GpuLockTable, lease: Lease, base: str, worker_id: str, on_lost: Callable[[], None]) -> None:
+        super().__init__(name=f"tinker-worker-{base}", daemon=True)
+        self.table, self.lease, self.base, self.worker_id = table, lease, base, worker_id
+        self.on_lost = on_lost
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(conf.heartbeat_interval()):
+            try:
+                if self.table.renew(self.lease, conf.lease_seconds()) is None:
+                    log.warning("model worker %s lost its lease", self.worker_id)
+                    self.on_lost()
+                    return
+                if not futures.register_worker(self.base, self.worker_id, conf.lease_seconds()):
+                    self.on_lost()
+                    return
+            except Exception:
+                log.exception("model worker %s: heartbeat failed", self.worker_id)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=5)
+
+
+@shared_task(name="tinker_api.serve_base_model", ignore_result=True)
+def serve_base_model(
+    base: str, *, base_path: str, node: str, gpus: list[int], lease_job_id: str, lease_token: str
+) -> str:
+    """Serve the Tinker requests of one base model on the leased block until idle."""
+    from workers.tasks import _devices
+
+    table = GpuLockTable(conf.get_redis())
+    lease = Lease(job_id=lease_job_id, node=node, gpus=tuple(gpus), token=lease_token)
+    worker_id = f"{node}:{uuid.uuid4().hex[:12]}"
+    try:
+        if table.renew(lease, conf.lease_seconds(), start=True) is None:
+            return "lease-lost"
+        if not futures.register_worker(base, worker_id, conf.lease_seconds()):
+            table.release(lease)
+            return "another-worker"
+    finally:
+        futures.clear_starting(base)
+    worker: ModelWorker | None = None
+    heartbeat = Heartbeat(table, lease, base, worker_id, on_lost=lambda: None)
+    heartbeat.start()
+    outcome = "failed"
+    try:
+        worker = ModelWorker(base, base_path, _devices(table, node, gpus)[0], worker_id)
+        heartbeat.on_lost = worker.stopping.set
+        outcome = worker.serve()
+    except Exception as exc:
+        log.exception("model worker for %s failed", base)
+        outcome = f"failed: {exc}"
+    finally:
+        heartbeat.stop()
+        futures.unregister_worker(base, worker_id)
+        if worker is not None:
+            worker.fail_everything(f"the model worker for {base} stopped ({outcome})")
+        else:
+            drain_failed(base, worker_id, f"the model worker for {base} could not start: {outcome}")
+        table.release(lease)
+        log.info("model worker %s for %s ended: %s", worker_id, base, outcome)
+    return outcome
+
+
+def drain_failed(base: str, worker_id: str, reason: str) -> None:
+    """Fail every request queued for ``base``: a worker that cannot load the base model must
+    not leave clients polling futures nobody will run."""
+    r = conf.get_redis()
+    while True:
+        got = r.xreadgroup(futures.GROUP, worker_id, {futures.stream_key(base): ">"}, count=512)
+        entries = [e for _s, batch in got or [] for e in batch]
+        if not entries:
+            return
+        for entry_id, raw in entries:
+            op = json.loads(raw[b"op"])
+            futures.fail(str(op["rid"]), reason)
+            if op.get("op") == "sample":
+                futures.samples_answered(base, 1)
+            r.xack(futures.stream_key(base), futures.GROUP, entry_id)

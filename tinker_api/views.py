@@ -1,0 +1,338 @@
+"""HTTP endpoints of the Tinker protocol under ``/api/v1/`` (paths fixed by the SDK).
+
+Plain Django views rather than DRF: bodies are protobuf as often as JSON, answers are validated
+strictly by the SDK against its own types, and polls arrive many times a second (no
+throttles, no content negotiation). Authentication is the API key store's
+(``X-API-Key: tml-otk_...``), the same check DRF's ``ApiKeyAuthentication`` makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework.exceptions import AuthenticationFailed
+
+from accounts.authentication import ApiKeyAuthentication
+from tinker_api import schemas as s
+from tinker_api import services, wire
+from tinker_api.services import Caller, NotFound
+
+# Largest body accepted before decompression (forward_backward chunks are ~5 MB).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _json(status: int, body: dict[str, Any] | bytes) -> HttpResponse:
+    content = body if isinstance(body, bytes) else wire.Reply(status, body).json()
+    return HttpResponse(content, status=status, content_type=wire.JSON)
+
+
+def _ok(model: s.ResponseModel) -> HttpResponse:
+    return HttpResponse(model.model_dump_json().encode(), content_type=wire.JSON)
+
+
+def _reply(reply: wire.Reply) -> HttpResponse:
+    return _json(reply.status, reply.json())
+
+
+def _body(request: HttpRequest) -> bytes:
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > MAX_BODY_BYTES:
+        raise wire.WireError(f"body over {MAX_BODY_BYTES} bytes", status=413)
+    # read(), not .body: DATA_UPLOAD_MAX_MEMORY_SIZE is for forms, not training batches.
+    return request.read(MAX_BODY_BYTES + 1)
+
+
+def endpoint(*methods: str, auth: bool = True) -> Callable[..., Any]:
+    def decorate(fn: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+        @csrf_exempt
+        @wraps(fn)
+        def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if request.method not in methods:
+                return _json(405, {"detail": f"method {request.method} not allowed"})
+            caller = None
+            if auth:
+                try:
+                    found = ApiKeyAuthentication().authenticate(request)  # type: ignore[arg-type]
+                except AuthenticationFailed as exc:
+                    return _json(401, {"detail": str(exc.detail)})
+                if found is None:
+                    return _json(401, {"detail": "send your API key in the X-API-Key header"})
+                user, key = found
+                caller = Caller(team_id=key.team_id, user=user, key=key)
+            try:
+                return fn(request, caller, *args, **kwargs)
+            except wire.WireError as exc:
+                return _json(exc.status, exc.body())
+            except NotFound as exc:
+                return _json(404, {"detail": str(exc)})
+
+        return view
+
+    return decorate
+
+
+# --------------------------------------------------------------------------- setup
+
+
+@endpoint("GET", auth=False)
+def healthz(request: HttpRequest, caller: None) -> HttpResponse:
+    return _ok(s.HealthResponse())
+
+
+@endpoint("POST")
+def client_config(request: HttpRequest, caller: Caller) -> HttpResponse:
+    wire.parse_json(s.ClientConfigRequest, _body(request))
+    return _ok(s.ClientConfigResponse())
+
+
+@endpoint("POST")
+def client_dynamic_config(request: HttpRequest, caller: Caller) -> HttpResponse:
+    return _ok(s.ClientDynamicConfigResponse())
+
+
+@endpoint("POST")
+def telemetry(request: HttpRequest, caller: Caller) -> HttpResponse:
+    return _ok(s.TelemetryResponse())
+
+
+@endpoint("GET")
+def server_capabilities(request: HttpRequest, caller: Caller) -> HttpResponse:
+    from jobs.models import BaseModel
+
+    models = [
+        s.SupportedModel(
+            model_name=m.name, max_context_length=m.max_context, trainable=True, sampleable=True
+        )
+        for m in BaseModel.objects.enabled().order_by("name")
+    ]
+    return _ok(s.GetServerCapabilitiesResponse(supported_models=models))
+
+
+@endpoint("POST")
+def create_session(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.CreateSessionRequest, _body(request))
+    session = services.create_session(caller, req)
+    return _ok(s.CreateSessionResponse(session_id=session.id))
+
+
+@endpoint("POST")
+def session_heartbeat(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.SessionHeartbeatRequest, _body(request))
+    if not services.heartbeat(caller, req.session_id):
+        return _json(410, {"detail": f"session {req.session_id} has finished"})
+    return _ok(s.SessionHeartbeatResponse())
+
+
+@endpoint("POST")
+def session_finish(request: HttpRequest, caller: Caller, session_id: str) -> HttpResponse:
+    req = wire.parse_json(s.SessionFinishRequest, _body(request))
+    services.finish_session(caller, session_id, req)
+    return _json(200, {"session_id": session_id})
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _future(request_id: str, **extra: Any) -> HttpResponse:
+    return _reply(wire.future_created(request_id, **extra))
+
+
+@endpoint("POST")
+def create_model(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.CreateModelRequest, _body(request))
+    request_id, model_id = services.create_model(caller, req)
+    return _future(request_id, model_id=model_id)
+
+
+@endpoint("POST")
+def get_info(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.GetInfoRequest, _body(request))
+    return _ok(services.get_info(caller, req.model_id))
+
+
+def _fwdbwd(request: HttpRequest, caller: Caller, forward_only: bool) -> HttpResponse:
+    request_id = services.forward_backward(
+        caller,
+        _body(request),
+        content_type=request.META.get("CONTENT_TYPE"),
+        content_encoding=request.META.get("HTTP_CONTENT_ENCODING"),
+        forward_only=forward_only,
+    )
+    return _future(request_id)
+
+
+@endpoint("POST")
+def forward_backward(request: HttpRequest, caller: Caller) -> HttpResponse:
+    return _fwdbwd(request, caller, forward_only=False)
+
+
+@endpoint("POST")
+def forward(request: HttpRequest, caller: Caller) -> HttpResponse:
+    return _fwdbwd(request, caller, forward_only=True)
+
+
+@endpoint("POST")
+def optim_step(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.OptimStepRequest, _body(request))
+    return _future(services.optim_step(caller, req))
+
+
+@endpoint("POST")
+def save_weights(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.SaveWeightsRequest, _body(request))
+    return _future(services.save_weights(caller, req))
+
+
+@endpoint("POST")
+def save_weights_for_sampler(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.SaveWeightsForSamplerRequest, _body(request))
+    return _future(services.save_weights_for_sampler(caller, req))
+
+
+@endpoint("POST")
+def load_weights(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.LoadWeightsRequest, _body(request))
+    request_id, model_id = services.load_weights(caller, req)
+    return _future(request_id, model_id=model_id)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@endpoint("POST")
+def create_sampling_session(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.CreateSamplingSessionRequest, _body(request))
+    return _ok(
+        s.CreateSamplingSessionResponse(
+            sampling_session_id=services.create_sampling_session(caller, req)
+        )
+    )
+
+
+@endpoint("GET")
+def get_sampler(request: HttpRequest, caller: Caller, sampler_id: str) -> HttpResponse:
+    row = services.get_sampling_session(caller, sampler_id)
+    return _ok(
+        s.GetSamplerResponse(
+            sampler_id=row.id, base_model=row.base_model, model_path=row.model_path or None
+        )
+    )
+
+
+@endpoint("POST")
+def asample(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.SampleRequest, _body(request))
+    backpressure = request.META.get("HTTP_X_TINKER_SAMPLING_BACKPRESSURE") == "1"
+    request_id, sequence_ids = services.sample(caller, req, backpressure=backpressure)
+    if request_id is None:
+        return _reply(wire.sampling_backpressure())
+    return _future(request_id, sample_sequence_ids=sequence_ids)
+
+
+# --------------------------------------------------------------------------- futures
+
+
+@endpoint("POST")
+def retrieve_future(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.FutureRetrieveRequest, _body(request))
+    answer = services.retrieve(
+        caller, req.request_id, protobuf=wire.wants_protobuf(request.META.get("HTTP_ACCEPT"))
+    )
+    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
+
+
+@endpoint("POST")
+def cancel_future(request: HttpRequest, caller: Caller) -> HttpResponse:
+    wire.parse_json(s.CancelFutureRequest, _body(request))
+    return _json(200, {})
+
+
+# --------------------------------------------------------------------------- runs and checkpoints
+
+
+def _page(request: HttpRequest) -> tuple[int, int]:
+    try:
+        limit = max(1, min(int(request.GET.get("limit", 20)), 1000))
+        offset = max(0, int(request.GET.get("offset", 0)))
+    except ValueError:
+        raise wire.WireError("limit and offset must be integers") from None
+    return limit, offset
+
+
+@endpoint("GET")
+def training_runs(request: HttpRequest, caller: Caller) -> HttpResponse:
+    from tinker_api.models import TrainingModel
+
+    limit, offset = _page(request)
+    qs = TrainingModel.objects.for_team(caller.team_id).order_by("-created")
+    rows = list(qs[offset : offset + limit])
+    return _ok(
+        s.TrainingRunsResponse(
+            training_runs=[services.training_run(caller, m) for m in rows],
+            cursor=s.Cursor(offset=offset, limit=limit, total_count=qs.count()),
+        )
+    )
+
+
+@endpoint("GET")
+def training_run(request: HttpRequest, caller: Caller, run_id: str) -> HttpResponse:
+    return _ok(services.training_run(caller, services.get_model(caller, run_id)))
+
+
+@endpoint("GET")
+def run_checkpoints(request: HttpRequest, caller: Caller, run_id: str) -> HttpResponse:
+    return _ok(s.CheckpointsListResponse(checkpoints=services.list_checkpoints(caller, run_id)))
+
+
+@endpoint("GET")
+def all_checkpoints(request: HttpRequest, caller: Caller) -> HttpResponse:
+    limit, offset = _page(request)
+    items = services.list_checkpoints(caller, None)
+    return _ok(
+        s.CheckpointsListResponse(
+            checkpoints=items[offset : offset + limit],
+            cursor=s.Cursor(offset=offset, limit=limit, total_count=len(items)),
+        )
+    )
+
+
+@endpoint("DELETE")
+def checkpoint(
+    request: HttpRequest, caller: Caller, run_id: str, segment: str, name: str
+) -> HttpResponse:
+    services.delete_checkpoint(caller, run_id, segment, name)
+    return HttpResponse(status=204)
+
+
+@endpoint("PUT", "POST")
+def checkpoint_ttl(
+    request: HttpRequest, caller: Caller, run_id: str, segment: str, name: str
+) -> HttpResponse:
+    req = wire.parse_json(s.CheckpointTtlRequest, _body(request) or b"{}")
+    services.set_checkpoint_ttl(caller, run_id, segment, name, req.ttl_seconds)
+    return _json(200, {})
+
+
+@endpoint("POST")
+def weights_info(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.WeightsInfoRequest, _body(request))
+    ckpt = services.get_checkpoint(caller, req.tinker_path)
+    m = ckpt.model
+    return _ok(
+        s.WeightsInfoResponse(
+            base_model=m.base_model,
+            optimizer_config=s.OptimizerConfig.model_validate(m.optimizer_config or {}),
+            is_lora=True,
+            lora_rank=m.lora_rank,
+            train_unembed=m.train_unembed,
+            train_mlp=m.train_mlp,
+            train_attn=m.train_attn,
+        )
+    )

@@ -1,0 +1,163 @@
+"""Forms of the web pages. Validation that the services own (spec, quotas, datasets) stays
+there: the views turn their exceptions into errors beside the fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+
+from accounts.models import Membership, Team
+from jobs.models import BaseModel, Dataset
+
+from .spec_form import METHOD_HELP, SpecFields
+
+UPLOAD = "__upload__"
+
+
+def env_choices() -> list[tuple[str, str]]:
+    from environments.registry import env_names, get_env
+
+    out = [("", "— none (smoke jobs) —")]
+    for name in env_names():
+        env = get_env(name)
+        source, interaction = env.cell
+        out.append((name, f"{name} ({source}, {interaction.replace('_', ' ')})"))
+    return out
+
+
+def dataset_choices(team: Team | None) -> list[tuple[str, Any]]:
+    from environments.datasets import builtin_names
+
+    team_sets: list[tuple[str, str]] = []
+    if team is not None:
+        for ds in Dataset.objects.filter(team=team).order_by("name"):
+            team_sets.append((ds.ref, f"{ds.name} (env {ds.env}, {ds.rows} rows)"))
+    builtin = [(f"builtin:{n}", f"builtin:{n}") for n in builtin_names()]
+    return [
+        ("", "— none —"),
+        ("Team datasets", team_sets),
+        ("Built-in", builtin),
+        (UPLOAD, "Upload a file below…"),
+    ]
+
+
+class JobForm(forms.Form):
+    """Name, method and pickers, followed by the JobSpec's own fields."""
+
+    name = forms.CharField(max_length=200, required=False, help_text="Shown in the jobs list.")
+    method = forms.ChoiceField(
+        choices=[(m, m) for m in METHOD_HELP],
+        initial="smoke",
+        help_text=" ".join(f"{m}: {h}" for m, h in METHOD_HELP.items()),
+    )
+    base_model = forms.ChoiceField(help_text="Registered base models (managed by administrators).")
+    env = forms.ChoiceField(
+        required=False, label="Environment", help_text="Required for rl and sft jobs."
+    )
+    dataset = forms.ChoiceField(
+        required=False,
+        help_text="Needed when the environment reads a dataset (e.g. math).",
+    )
+    dataset_file = forms.FileField(
+        required=False,
+        label="Upload a dataset",
+        help_text="JSON Lines or Parquet, validated against the environment's columns.",
+    )
+    dataset_name = forms.CharField(
+        required=False, max_length=200, help_text="Name of the uploaded dataset in your team."
+    )
+
+    def __init__(self, *args: Any, team: Team | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec_fields = SpecFields()
+        models = list(BaseModel.objects.enabled().values_list("name", flat=True))
+        self.fields["base_model"].choices = [(m, m) for m in models]
+        default_model = self.spec_fields.defaults.get("base_model")
+        if default_model in models:
+            self.fields["base_model"].initial = default_model
+        self.fields["env"].choices = env_choices()
+        self.fields["dataset"].choices = dataset_choices(team)
+        self.fields.update(self.spec_fields.fields)
+
+    def sections(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "title": s.title,
+                "description": s.description,
+                "key": s.key,
+                "methods": " ".join(s.methods),
+                "fields": [self[n] for n in s.names],
+            }
+            for s in self.spec_fields.sections
+            if s.names
+        ]
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if data.get("dataset") == UPLOAD:
+            if not data.get("dataset_file"):
+                self.add_error("dataset_file", "choose a file to upload")
+            if not (data.get("dataset_name") or "").strip():
+                self.add_error("dataset_name", "name the uploaded dataset")
+            if not data.get("env"):
+                self.add_error("env", "a dataset is validated for an environment: pick one")
+        return data
+
+
+class YamlJobForm(forms.Form):
+    name = forms.CharField(max_length=200, required=False)
+    spec_yaml = forms.CharField(
+        label="Job spec (YAML or JSON)",
+        widget=forms.Textarea(attrs={"rows": 14, "spellcheck": "false"}),
+        help_text="The same JobSpec the API and the CLI accept, e.g. `method: smoke`.",
+    )
+    spec_file = forms.FileField(required=False, label="…or a spec file")
+
+    def clean(self) -> dict[str, Any]:
+        import yaml
+
+        data = super().clean()
+        raw = data.get("spec_yaml") or ""
+        if data.get("spec_file"):
+            raw = data["spec_file"].read(1_000_000).decode("utf-8", errors="replace")
+        try:
+            spec = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            self.add_error("spec_yaml", f"not valid YAML: {exc}")
+            return data
+        if not isinstance(spec, dict):
+            self.add_error("spec_yaml", "the spec must be a mapping such as `method: smoke`")
+            return data
+        data["spec"] = spec
+        return data
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["spec_yaml"].required = False
+
+
+class KeyForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="e.g. laptop, ci, notebook")
+    expires_in_days = forms.IntegerField(
+        required=False, min_value=1, max_value=3650, help_text="Leave empty for no expiry."
+    )
+
+
+class InviteForm(forms.Form):
+    email = forms.EmailField()
+    role = forms.ChoiceField(choices=Membership.Role.choices, initial=Membership.Role.MEMBER)
+
+
+class RoleForm(forms.Form):
+    role = forms.ChoiceField(choices=Membership.Role.choices)
+
+
+class DatasetForm(forms.Form):
+    name = forms.CharField(max_length=200)
+    env = forms.ChoiceField(label="Environment")
+    file = forms.FileField(help_text="JSON Lines (.jsonl) or Parquet (.parquet).")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["env"].choices = [c for c in env_choices() if c[0]]

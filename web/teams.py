@@ -1,0 +1,53 @@
+"""The team a signed-in user is looking at, kept in the session.
+
+Every page reads its team through ``current_team``; objects of other teams are looked up
+through querysets filtered by that team, so a foreign id answers 404 like an unknown one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from accounts.models import Membership, Team
+
+SESSION_KEY = "opentinker_team_id"
+
+
+def user_teams(user: Any) -> QuerySet[Team]:
+    if not user.is_authenticated:
+        return Team.objects.none()
+    return Team.objects.filter(memberships__user=user).order_by("name", "slug")
+
+
+def current_team(request: HttpRequest) -> Team | None:
+    """The session's team if the user still belongs to it, else their first team."""
+    cached = getattr(request, "_opentinker_team", False)
+    if cached is not False:
+        return cached  # type: ignore[return-value]
+    teams = user_teams(request.user)
+    team = None
+    team_id = request.session.get(SESSION_KEY)
+    if team_id is not None:
+        team = teams.filter(pk=team_id).first()
+    if team is None:
+        team = teams.first()
+        if team is not None:
+            request.session[SESSION_KEY] = team.pk
+    request._opentinker_team = team  # type: ignore[attr-defined]
+    return team
+
+
+def set_current_team(request: HttpRequest, team: Team) -> None:
+    request.session[SESSION_KEY] = team.pk
+    request._opentinker_team = team  # type: ignore[attr-defined]
+
+
+def role_in(team: Team, user: Any) -> str | None:
+    return Membership.objects.filter(team=team, user=user).values_list("role", flat=True).first()
+
+
+def is_owner(team: Team, user: Any) -> bool:
+    return role_in(team, user) == Membership.Role.OWNER
