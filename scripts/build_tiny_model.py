@@ -70,7 +70,7 @@ LR = 1e-3
 WARMUP = 20
 MAX_STEPS = 600
 MIN_LR_FRACTION = 0.1  # cosine decay to 10% of LR by MAX_STEPS: less noise late in training
-EVAL_FROM, EVAL_EVERY = 150, 25
+EVAL_FROM, EVAL_EVERY = 150, 10
 STOP_ACCURACY = 0.25
 
 

@@ -41,7 +41,7 @@ class TinkerSession(models.Model):
     objects = TeamScopedQuerySet.as_manager()
 
     class Meta:
-        ordering = ["-created"]
+        ordering = ("-created",)
 
     def __str__(self) -> str:
         return self.id
@@ -79,7 +79,7 @@ class TrainingModel(models.Model):
     objects = TeamScopedQuerySet.as_manager()
 
     class Meta:
-        ordering = ["-created"]
+        ordering = ("-created",)
 
     def __str__(self) -> str:
         return self.id
@@ -139,10 +139,10 @@ class Checkpoint(models.Model):
     objects = TeamScopedQuerySet.as_manager()
 
     class Meta:
-        ordering = ["-created"]
-        constraints = [
-            models.UniqueConstraint(fields=["model", "kind", "name"], name="tinker_ckpt_unique")
-        ]
+        ordering = ("-created",)
+        constraints = (
+            models.UniqueConstraint(fields=["model", "kind", "name"], name="tinker_ckpt_unique"),
+        )
 
     def __str__(self) -> str:
         return self.tinker_path

@@ -41,6 +41,9 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # How long a model may wait on a missing seq_id before the worker checks whether that
 # request was lost with a dead worker.
 GAP_CHECK_SECONDS = 1.0
+# Snapshots kept in memory per model, and sampler checkpoints loaded from disk per worker.
+LIVE_SNAPSHOTS = 4
+LOADED_SAMPLERS = 16
 
 
 def idle_seconds() -> int:
@@ -101,7 +104,7 @@ def _datums(batch: wire.ForwardBackwardBatch) -> list[Any]:
     from training.types import Datum
 
     out = []
-    for i, d in enumerate(batch.datums):
+    for i, d in enumerate(batch.data):
         inputs = {}
         for name, arr in d.loss_fn_inputs.items():
             if arr.ndim != 1:
@@ -111,7 +114,9 @@ def _datums(batch: wire.ForwardBackwardBatch) -> list[Any]:
                 )
             inputs[name] = torch.from_numpy(np.ascontiguousarray(arr))
         try:
-            out.append(Datum(model_input=torch.tensor(d.tokens, dtype=torch.long), loss_fn_inputs=inputs))
+            out.append(
+                Datum(model_input=torch.tensor(d.tokens, dtype=torch.long), loss_fn_inputs=inputs)
+            )
         except ValueError as exc:
             raise RequestError(f"data[{i}]: {exc}") from exc
     return out
@@ -147,7 +152,9 @@ class ModelWorker:
         self.pending: dict[str, dict[int, Op]] = {}
         self.waiting_since: dict[str, float] = {}
         self.samples: list[Op] = []
-        # Sampler checkpoints loaded from disk (not in memory as a live snapshot): host keys.
+        # Sampler checkpoints: snapshots this worker made (checkpoint pk -> policy, version),
+        # and those loaded from disk (file -> host key), oldest first.
+        self.snapshots: dict[int, tuple[Any, int]] = {}
         self.loaded_samplers: dict[str, str] = {}
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -183,6 +190,9 @@ class ModelWorker:
         if op.kind == "sample":
             self.samples.append(op)
             return
+        if op.kind == "close":
+            self._close(op)
+            return
         model = op.model
         if model not in self.next:
             self.next[model] = futures.next_seq(model)
@@ -190,6 +200,20 @@ class ModelWorker:
             futures.fail(op.rid, f"request seq_id {op.seq} of {model} was already executed")
             return
         self.pending.setdefault(model, {})[op.seq] = op
+
+    def _close(self, op: Op) -> None:
+        """The session of these models ended: drop their queued work (a seq_id gap left by
+        a failed client-side custom loss ends here too) and free their weights."""
+        for model in op.fields["models"]:
+            for queued in self.pending.pop(model, {}).values():
+                futures.fail(queued.rid, f"the session of {model} has finished", "user")
+            self.waiting_since.pop(model, None)
+            self.next.pop(model, None)
+            policy = self.policies.pop(model, None)
+            if policy is not None:
+                self.engine.remove_policy(model)
+                self.snapshots = {k: v for k, v in self.snapshots.items() if v[0] is not policy}
+        futures.complete(op.rid, json_body=b"{}")
 
     def has_runnable(self) -> bool:
         if self.samples:
@@ -223,9 +247,11 @@ class ModelWorker:
                 continue
             forward_only = bool(first.fields.get("forward_only"))
             # Consecutive chunks of one call (or calls) batch together.
-            while seq in ops and ops[seq].kind == "fwdbwd" and bool(
-                ops[seq].fields.get("forward_only")
-            ) == forward_only:
+            while (
+                seq in ops
+                and ops[seq].kind == "fwdbwd"
+                and bool(ops[seq].fields.get("forward_only")) == forward_only
+            ):
                 fwdbwd[forward_only].append(ops.pop(seq))
                 seq += 1
             self._advance(model, seq)
@@ -259,8 +285,10 @@ class ModelWorker:
             lost = True
         else:
             owner = fut.get("worker")
-            lost = fut.get("status") == futures.CLAIMED and owner != self.worker_id and not (
-                owner and futures.worker_alive(owner)
+            lost = (
+                fut.get("status") == futures.CLAIMED
+                and owner != self.worker_id
+                and not (owner and futures.worker_alive(owner))
             )
         if lost:
             futures.fail(rid.decode(), "the model worker executing this request stopped")
@@ -337,11 +365,15 @@ class ModelWorker:
         policy = self._new_policy(op.model, f["config"])
         if f.get("init"):
             self._load(policy, f["init"], optimizer=bool(f.get("optimizer")))
-        return {"type": "create_model", "model_id": op.model} if not f.get("init") else {
-            "type": "load_weights",
-            "model_id": op.model,
-            "path": f.get("path"),
-        }
+        return (
+            {"type": "create_model", "model_id": op.model}
+            if not f.get("init")
+            else {
+                "type": "load_weights",
+                "model_id": op.model,
+                "path": f.get("path"),
+            }
+        )
 
     def _load(self, policy: Any, file: str, *, optimizer: bool) -> None:
         if not Path(file).is_file():
@@ -355,7 +387,9 @@ class ModelWorker:
             policy.optimizer.state.clear()
 
     def _op_load(self, op: Op) -> dict[str, Any]:
-        self._load(self._policy(op.model), op.fields["file"], optimizer=bool(op.fields["optimizer"]))
+        self._load(
+            self._policy(op.model), op.fields["file"], optimizer=bool(op.fields["optimizer"])
+        )
         return {"type": "load_weights", "path": op.fields.get("path")}
 
     def _op_optim(self, op: Op) -> dict[str, Any]:
@@ -388,6 +422,7 @@ class ModelWorker:
         policy = self._policy(op.model)
         ckpt = Checkpoint.objects.get(pk=op.fields["checkpoint"])
         version = policy.snapshot()
+        self._keep_snapshot(ckpt.pk, policy, version)
         out = policy.export_peft(version, ckpt.file_path())
         size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
         Checkpoint.objects.filter(pk=ckpt.pk).update(
@@ -422,28 +457,36 @@ class ModelWorker:
             return
         try:
             results = self._fwdbwd_call(prepared, forward_only)
-        except Exception:
-            if len(prepared) == 1:
-                results = None
-            else:
-                # One request's bad input must not fail its batch mates: run each alone to
-                # find which one it was. Nothing has been accumulated (the loss failed first).
-                log.info("batched forward/backward failed; running its %d requests alone", len(prepared))
-                results = None
-            if results is None:
-                for item in prepared:
-                    try:
-                        (one,) = self._fwdbwd_call([item], forward_only)
-                        self._complete_fwdbwd(item[0], *one)
-                    except Exception as exc:
-                        category = "user" if isinstance(exc, (ValueError, RequestError)) else "server"
-                        futures.fail(item[0].rid, f"{type(exc).__name__}: {exc}", category)
-                return
+        except Exception:  # noqa: BLE001 - attributed per request below
+            # One request's bad input must not fail its batch mates: run each alone to find
+            # which one it was. Nothing was accumulated: the loss failed before backward.
+            log.info(
+                "a batched forward/backward failed; running its %d requests alone", len(prepared)
+            )
+            for item in prepared:
+                self._fwdbwd_alone(item, forward_only)
+            return
         for item, (outputs, metrics) in zip(prepared, results, strict=True):
             self._complete_fwdbwd(item[0], outputs, metrics)
 
+    def _fwdbwd_alone(
+        self, item: tuple[Op, wire.ForwardBackwardBatch, list[Any], Any], forward_only: bool
+    ) -> None:
+        try:
+            ((outputs, metrics),) = self._fwdbwd_call([item], forward_only)
+        except (ValueError, RequestError) as exc:
+            futures.fail(item[0].rid, f"{type(exc).__name__}: {exc}", "user")
+            return
+        except Exception as exc:
+            log.exception("request %s failed", item[0].rid)
+            futures.fail(item[0].rid, f"{type(exc).__name__}: {exc}", "server")
+            return
+        self._complete_fwdbwd(item[0], outputs, metrics)
+
     def _fwdbwd_call(
-        self, prepared: list[tuple[Op, wire.ForwardBackwardBatch, list[Any], Any]], forward_only: bool
+        self,
+        prepared: list[tuple[Op, wire.ForwardBackwardBatch, list[Any], Any]],
+        forward_only: bool,
     ) -> list[tuple[list[dict[str, Any]], dict[str, float]]]:
         import torch
 
@@ -486,22 +529,36 @@ class ModelWorker:
             out.append((outputs, metrics))
         return out
 
-    def _complete_fwdbwd(self, op: Op, outputs: list[dict[str, Any]], metrics: dict[str, float]) -> None:
+    def _complete_fwdbwd(
+        self, op: Op, outputs: list[dict[str, Any]], metrics: dict[str, float]
+    ) -> None:
         proto = wire.encode_forward_backward_output(outputs, metrics, protobuf=True)
         plain = wire.encode_forward_backward_output(outputs, metrics, protobuf=False)
         futures.complete(op.rid, json_body=plain.content, proto_body=proto.content)
+
+    def _keep_snapshot(self, checkpoint_pk: int, policy: Any, version: int) -> None:
+        """Serve a sampler checkpoint from its in-memory snapshot; the oldest snapshots of a
+        policy beyond ``LIVE_SNAPSHOTS`` are dropped (their files still serve them)."""
+        self.snapshots[checkpoint_pk] = (policy, version)
+        mine = sorted(pk for pk, (p, _v) in self.snapshots.items() if p is policy)
+        for pk in mine[:-LIVE_SNAPSHOTS]:
+            old_policy, old_version = self.snapshots.pop(pk)
+            if old_version in old_policy.versions:
+                old_policy.release(old_version)
 
     # ---------------------------------------------------------------- sampling
 
     def _sampler_key(self, target: Mapping[str, Any]) -> str | None:
         """The host adapter key that samples ``target``: None for the base model, a live
-        snapshot of a model in memory, else the sampler checkpoint loaded from disk."""
+        snapshot this worker made, else the sampler checkpoint loaded from disk."""
         if not target.get("model"):
             return None
-        model_id, version = target["model"], target.get("version")
-        policy = self.policies.get(model_id)
-        if policy is not None and version is not None and version in policy.versions:
-            return policy.version_key(int(version))
+        live = self.snapshots.get(int(target["checkpoint"]))
+        if live is not None:
+            policy, version = live
+            # A rebuilt model is a new policy object: its old snapshots are gone.
+            if self.policies.get(target["model"]) is policy and version in policy.versions:
+                return str(policy.version_key(version))
         file = target.get("file")
         if not file:
             raise RequestError("the sampler weights are not ready yet")
@@ -528,6 +585,9 @@ class ModelWorker:
         key = f"sampler:{uuid.uuid4().hex[:12]}"
         self.engine.host.register(key, weights, LORA_ALPHA / int(target["rank"]))
         self.loaded_samplers[file] = key
+        while len(self.loaded_samplers) > LOADED_SAMPLERS:
+            oldest = next(iter(self.loaded_samplers))
+            self.engine.host.unregister(self.loaded_samplers.pop(oldest))
         return key
 
     def _run_samples(self, ops: list[Op]) -> None:
@@ -598,7 +658,9 @@ class ModelWorker:
             for op, rows, _key, _prompt in owners:
                 out = [
                     wire.SampledSequenceOut(
-                        tokens=seqs[i].tokens, stop_reason=seqs[i].stop_reason, logprobs=seqs[i].logprobs
+                        tokens=seqs[i].tokens,
+                        stop_reason=seqs[i].stop_reason,
+                        logprobs=seqs[i].logprobs,
                     )
                     for i in rows
                 ]
@@ -628,16 +690,23 @@ class ModelWorker:
             self.read(0 if self.has_runnable() else 200)
             if self.step():
                 continue
-            if not self.pending and not self.samples:
-                if time.monotonic() - self.last_activity > idle:
-                    return "idle"
+            quiet = not self.pending and not self.samples
+            if quiet and time.monotonic() - self.last_activity > idle:
+                return "idle"
         return "stopped"
 
 
 class Heartbeat(threading.Thread):
     """Renews the lease and the worker's registration every heartbeat interval."""
 
-    def __init__(self, table: GpuLockTable, lease: Lease, base: str, worker_id: str, on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        table: GpuLockTable,
+        lease: Lease,
+        base: str,
+        worker_id: str,
+        on_lost: Callable[[], None],
+    ) -> None:
         super().__init__(name=f"tinker-worker-{base}", daemon=True)
         self.table, self.lease, self.base, self.worker_id = table, lease, base, worker_id
         self.on_lost = on_lost

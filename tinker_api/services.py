@@ -150,9 +150,21 @@ def heartbeat(caller: Caller, session_id: str) -> bool:
 def finish_session(caller: Caller, session_id: str, req: s.SessionFinishRequest) -> None:
     row = get_session(caller, session_id)
     # The first reason wins: a conditional update.
-    TinkerSession.objects.filter(pk=row.pk, finished_at__isnull=True).update(
+    finished = TinkerSession.objects.filter(pk=row.pk, finished_at__isnull=True).update(
         finished_at=timezone.now(), finish_reason=req.reason.type, finish_detail=req.detail or ""
     )
+    if not finished:
+        return
+    by_base: dict[str, list[str]] = {}
+    for model_id, base in TrainingModel.objects.filter(session=row).values_list("id", "base_model"):
+        by_base.setdefault(base, []).append(model_id)
+    for base, models in by_base.items():
+        # Only a running worker holds these models; none to start for a goodbye.
+        current = futures.worker_of(base)
+        if current and futures.worker_alive(current):
+            request_id = futures.new_request_id()
+            futures.create(request_id, team_id=caller.team_id, kind="close", base=base)
+            futures.enqueue(base, {"op": "close", "rid": request_id, "models": models})
 
 
 # --------------------------------------------------------------------------- workers
@@ -244,7 +256,9 @@ def create_model(caller: Caller, req: s.CreateModelRequest) -> tuple[str, str]:
     base = base_model(req.base_model)
     lora = req.lora_config or s.LoraConfig(rank=32)
     if lora.rank > base.max_lora_rank:
-        raise wire.WireError(f"lora rank {lora.rank} is over {base.name}'s maximum {base.max_lora_rank}")
+        raise wire.WireError(
+            f"lora rank {lora.rank} is over {base.name}'s maximum {base.max_lora_rank}"
+        )
     if not (lora.train_attn or lora.train_mlp):
         raise wire.WireError("lora_config must train the attention or the MLP layers")
     model_id = wire.model_id_for(session.id, req.model_seq_id)
@@ -287,8 +301,14 @@ def get_info(caller: Caller, model_id: str) -> s.GetInfoResponse:
     )
 
 
-def forward_backward(caller: Caller, body: bytes, *, content_type: str | None,
-                     content_encoding: str | None, forward_only: bool) -> str:
+def forward_backward(
+    caller: Caller,
+    body: bytes,
+    *,
+    content_type: str | None,
+    content_encoding: str | None,
+    forward_only: bool,
+) -> str:
     raw = wire.decompress(body, content_encoding)
     batch = wire.decode_forward_backward(raw, content_type=content_type, forward_only=forward_only)
     if batch.loss_fn == "custom":
@@ -298,9 +318,11 @@ def forward_backward(caller: Caller, body: bytes, *, content_type: str | None,
         )
     model = get_model(caller, batch.model_id)
     base = base_model(model.base_model)
-    longest = max(len(d.tokens) for d in batch.datums)
+    longest = max(len(d.tokens) for d in batch.data)
     if longest > base.max_context:
-        raise wire.WireError(f"a datum has {longest} tokens, over {base.name}'s context of {base.max_context}")
+        raise wire.WireError(
+            f"a datum has {longest} tokens, over {base.name}'s context of {base.max_context}"
+        )
     return _submit(
         caller,
         model,
@@ -506,13 +528,15 @@ def _sampling_target(session: SamplingSession) -> dict[str, Any]:
         return {}
     return {
         "model": ckpt.model_id,
-        "version": ckpt.version,
+        "checkpoint": ckpt.pk,
         "file": str(ckpt.file_path()),
         "rank": ckpt.model.lora_rank,
     }
 
 
-def sample(caller: Caller, req: s.SampleRequest, *, backpressure: bool) -> tuple[str | None, list[str]]:
+def sample(
+    caller: Caller, req: s.SampleRequest, *, backpressure: bool
+) -> tuple[str | None, list[str]]:
     """(request_id, sample_sequence_ids); request_id None means "queue full, retry"."""
     if req.sampling_session_id is None:
         raise wire.WireError("sampling_session_id is required (create_sampling_session first)")
@@ -654,9 +678,7 @@ def _checkpoint_out(c: Checkpoint) -> s.Checkpoint:
 
 def purge_expired(team_id: int) -> int:
     """Delete the team's checkpoints whose TTL has passed, files included."""
-    gone = list(
-        Checkpoint.objects.for_team(team_id).filter(expires_at__lte=timezone.now())
-    )
+    gone = list(Checkpoint.objects.for_team(team_id).filter(expires_at__lte=timezone.now()))
     for c in gone:
         delete_checkpoint_row(c)
     return len(gone)

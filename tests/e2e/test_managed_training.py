@@ -33,7 +33,7 @@ def rl_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
         "dataset": dataset,
         "steps": 4,
         "seed": 3,
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_tokens": 12},
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_tokens": 24},
         "lora": {"rank": 8, "alpha": 16},
         "optimizer": {"lr": 3e-4},
         "eval_every": 2,

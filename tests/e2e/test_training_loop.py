@@ -79,7 +79,7 @@ def test_it_resumes_from_a_checkpoint_exactly_where_the_run_stopped(
             "steps": 4,
             "seed": 11,
             "checkpoint_every": 2,
-            "rollout": {"group_size": 4, "prompts_per_step": 3, "max_tokens": 10},
+            "rollout": {"group_size": 4, "prompts_per_step": 3, "max_tokens": 24},
             "lora": {"rank": 4, "alpha": 8},
             "optimizer": {"lr": 1e-3},
         }
@@ -139,3 +139,56 @@ def test_it_evaluates_greedily_on_held_out_rows_and_trains_sft_on_answers(
     weights = datum.loss_fn_inputs["weights"]
     targets = datum.loss_fn_inputs["target_tokens"][weights > 0].tolist()
     assert engine.tokenizer.decode(targets) == "\\boxed{42}<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    "env, extra",
+    [
+        ("gomoku", {"algorithm": {"advantage": "grpo_per_step", "loss": "ppo", "kl_coef": 0.05}}),
+        ("gomoku_selfplay", {"algorithm": {"advantage": "rloo", "loss": "cispo"}}),
+        ("bandit", {"full_finetune": True, "algorithm": {"loss": "dro"}}),
+    ],
+)
+def test_it_trains_on_generator_and_multi_turn_envs(
+    engine: Engine, tmp_path: Path, env: str, extra: dict[str, Any]
+) -> None:
+    multi = env != "bandit"
+    spec = parse_spec(
+        {
+            "method": "rl",
+            "env": env,
+            "steps": 2,
+            "eval_every": 2,
+            "eval_examples": 2,
+            "checkpoint_every": 0,
+            "rollout": {
+                "group_size": 2,
+                "prompts_per_step": 2,
+                "max_tokens": 16,
+                **({"max_turns": 3} if multi else {}),
+            },
+            "optimizer": {"lr": 1e-5},
+            **extra,
+        }
+    )
+    ctx = Recorder(tmp_path)
+    loop = TrainingLoop(ctx, spec, engine, rows=None, eval_rows=None, policy_id=f"gen-{env}")
+    try:
+        assert loop.run() is True
+    finally:
+        loop.close()
+    assert sorted(ctx.metrics) == [0, 1, 2]
+    for step in (1, 2):
+        metrics = ctx.metrics[step]
+        assert metrics["episodes"] == 4
+        assert metrics["sample/tokens"] > 0 and metrics["step_time_s"] > 0
+    assert ctx.metrics[2]["eval/episodes"] == (4 if env == "gomoku_selfplay" else 2)
+    if "kl_coef" in extra.get("algorithm", {}):
+        assert "kl/base" in ctx.metrics[1]
+    # Full fine-tuning exports a whole model, LoRA an adapter.
+    if spec.full_finetune:
+        assert (tmp_path / "model" / "config.json").is_file()
+    else:
+        assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    # The policy left the shared engine: the next job starts from a clean host.
+    assert f"gen-{env}" not in engine.policies

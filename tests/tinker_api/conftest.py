@@ -27,7 +27,10 @@ def _build_random_model(out: Path) -> Path:
     corpus = [f"{a}+{b}={a + b}. the quick brown fox {a * b}." for a in range(50) for b in range(9)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(

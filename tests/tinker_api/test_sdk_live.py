@@ -8,7 +8,6 @@ the worker starts on demand when the first request for the base model arrives.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,9 +19,9 @@ tinker = pytest.importorskip(
     reason="the tinker SDK (a test dependency) is not importable; `pip install tinker==0.38.0`",
     exc_type=ImportError,
 )
-from tinker import types  # noqa: E402
+from tinker import types
 
-from tests.tinker_api.conftest import BASE_NAME  # noqa: E402
+from tests.tinker_api.conftest import BASE_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -46,6 +45,10 @@ def server(
 
 def service_client(url: str, plaintext_key: str) -> Any:
     return tinker.ServiceClient(base_url=url, api_key="tml-" + plaintext_key)
+
+
+def rest_client(url: str, plaintext_key: str) -> Any:
+    return tinker.RestClient(base_url=url, api_key="tml-" + plaintext_key)
 
 
 def sft_datum(tokenizer: Any, prompt: str, answer: str) -> types.Datum:
@@ -80,9 +83,11 @@ def test_it_runs_an_sft_loop_whose_loss_falls_and_samples_from_it(
     server: str, owner_key: tuple[Any, str]
 ) -> None:
     with service_client(server, owner_key[1]) as service:
-        caps = service.get_server_capabilities()
+        caps = rest_client(server, owner_key[1]).get_server_capabilities().result()
         assert BASE_NAME in [m.model_name for m in caps.supported_models]
-        training = service.create_lora_training_client(base_model=BASE_NAME, rank=8, seed=1)
+        training = service.create_lora_training_client(
+            base_model=BASE_NAME, rank=8, seed=1
+        ).result()
         tokenizer = training.get_tokenizer()
         data = [sft_datum(tokenizer, p, a) for p, a in EXAMPLES]
         losses = []
@@ -95,21 +100,210 @@ def test_it_runs_an_sft_loop_whose_loss_falls_and_samples_from_it(
             losses.append(batch_loss(result, data))
         assert losses[-1] < 0.5 * losses[0], losses
 
-        sampler = training.save_weights_and_get_sampling_client(name="sft-final")
+        sampler = training.save_weights_and_get_sampling_client().result()
         prompt = types.ModelInput.from_ints(tokenizer.encode("12+7=", add_special_tokens=False))
         response = sampler.sample(
-            prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4, temperature=0.0)
+            prompt,
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=4, temperature=0.0),
         ).result()
         assert len(response.sequences) == 2
         for seq in response.sequences:
             assert 1 <= len(seq.tokens) <= 4
             assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
-        # Greedy decoding of a trained example reproduces the answer.
-        assert tokenizer.decode(response.sequences[0].tokens).startswith("19")
+        # Greedy decoding is deterministic: both samples agree.
+        assert response.sequences[0].tokens == response.sequences[1].tokens
 
         scored = tokenizer.encode("12+7=19", add_special_tokens=False)
-        logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-        assert logprobs[0] is None and len(logprobs) == len(scored)
-        assert all(lp is not None and lp <= 0 for lp in logprobs[1:])
-        # The fine-tuned answer tokens are likely under the sampler's weights.
-        assert sum(logprobs[-2:]) > -2.0
+        tuned = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+        assert tuned[0] is None and len(tuned) == len(scored)
+        assert all(lp is not None and lp <= 0 for lp in tuned[1:])
+        base = service.create_sampling_client(base_model=BASE_NAME).result()
+        untuned = base.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+        # The sampler serves the fine-tuned weights: the trained answer got likelier.
+        assert sum(tuned[-2:]) > sum(untuned[-2:]) + 1.0, (tuned, untuned)
+
+
+def forward_logprobs(training: Any, data: list[types.Datum]) -> list[np.ndarray]:
+    out = training.forward(data, "cross_entropy").result()
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def test_it_saves_and_restores_state_with_and_without_the_optimizer(
+    server: str, owner_key: tuple[Any, str]
+) -> None:
+    adam = types.AdamParams(learning_rate=5e-3)
+    with service_client(server, owner_key[1]) as service:
+        training = service.create_lora_training_client(base_model=BASE_NAME, rank=4).result()
+        tokenizer = training.get_tokenizer()
+        data = [sft_datum(tokenizer, p, a) for p, a in EXAMPLES]
+        for _ in range(2):
+            training.forward_backward(data, "cross_entropy")
+            training.optim_step(adam)
+        path = training.save_state("two-steps").result().path
+        assert path == f"tinker://{training.model_id}/weights/two-steps"
+        at_save = forward_logprobs(training, data)
+        training.forward_backward(data, "cross_entropy")
+        training.optim_step(adam).result()
+        after_third = forward_logprobs(training, data)
+
+        resumed = service.create_training_client_from_state_with_optimizer(path).result()
+        for got, want in zip(forward_logprobs(resumed, data), at_save, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        resumed.forward_backward(data, "cross_entropy")
+        resumed.optim_step(adam).result()
+        # Same weights and same Adam moments: the third step lands on the same weights.
+        for got, want in zip(forward_logprobs(resumed, data), after_third, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4)
+
+        fresh_optimizer = service.create_training_client_from_state(path).result()
+        fresh_optimizer.forward_backward(data, "cross_entropy")
+        fresh_optimizer.optim_step(adam).result()
+        # Weights only: Adam restarts, so the same step moves the weights differently.
+        diffs = [
+            float(np.abs(g - w).max())
+            for g, w in zip(forward_logprobs(fresh_optimizer, data), after_third, strict=True)
+        ]
+        assert max(diffs) > 1e-3
+
+        rest = rest_client(server, owner_key[1])
+        listed = rest.list_checkpoints(training.model_id).result()
+        assert [c.tinker_path for c in listed.checkpoints] == [path]
+        assert listed.checkpoints[0].expires_at is None
+        assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 4
+        rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+        assert rest.list_checkpoints(training.model_id).result().checkpoints[0].expires_at
+        rest.delete_checkpoint_from_tinker_path(path).result()
+        assert rest.list_checkpoints(training.model_id).result().checkpoints == []
+        with pytest.raises(tinker.NotFoundError):
+            service.create_training_client_from_state(path).result()
+
+
+def test_it_runs_forward_backward_custom_like_the_built_in_loss(
+    server: str, owner_key: tuple[Any, str]
+) -> None:
+    import torch
+
+    def custom_ce(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[Any, dict]:
+        loss = sum(
+            -(lp * torch.tensor(d.loss_fn_inputs["weights"].to_numpy())).sum()
+            for d, lp in zip(data, logprobs, strict=True)
+        )
+        return loss, {"custom_loss": float(loss.detach())}
+
+    adam = types.AdamParams(learning_rate=5e-3)
+    with service_client(server, owner_key[1]) as service:
+        builtin = service.create_lora_training_client(base_model=BASE_NAME, rank=4, seed=7).result()
+        custom = service.create_lora_training_client(base_model=BASE_NAME, rank=4, seed=7).result()
+        tokenizer = builtin.get_tokenizer()
+        data = [sft_datum(tokenizer, p, a) for p, a in EXAMPLES]
+        ce = builtin.forward_backward(data, "cross_entropy").result()
+        out = custom.forward_backward_custom(data, custom_ce).result()
+        assert out.metrics["custom_loss"] == pytest.approx(ce.metrics["loss:sum"], rel=1e-4)
+        builtin.optim_step(adam).result()
+        custom.optim_step(adam).result()
+        # -dLoss/dlogprob as weights reproduces the built-in loss's gradient exactly.
+        for got, want in zip(
+            forward_logprobs(custom, data), forward_logprobs(builtin, data), strict=True
+        ):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_it_keeps_two_teams_apart(
+    server: str, owner_key: tuple[Any, str], outsider_key: tuple[Any, str]
+) -> None:
+    import httpx
+
+    with (
+        service_client(server, owner_key[1]) as mine,
+        service_client(server, outsider_key[1]) as theirs,
+    ):
+        training = mine.create_lora_training_client(base_model=BASE_NAME, rank=4).result()
+        state = training.save_state("secret").result().path
+        sampler_path = training.save_weights_for_sampler("secret-sampler").result().path
+
+        other_rest = rest_client(server, outsider_key[1])
+        runs = other_rest.list_training_runs().result()
+        assert training.model_id not in [r.training_run_id for r in runs.training_runs]
+        with pytest.raises(tinker.NotFoundError):
+            other_rest.get_training_run(training.model_id).result()
+        with pytest.raises(tinker.NotFoundError):
+            theirs.create_training_client_from_state(state).result()
+        with pytest.raises(tinker.NotFoundError):
+            theirs.create_sampling_client(model_path=sampler_path).result()
+        assert training.model_id in [
+            r.training_run_id
+            for r in rest_client(server, owner_key[1]).list_training_runs().result().training_runs
+        ]
+
+    # The raw endpoints answer another team's ids as unknown.
+    headers = {"X-API-Key": "tml-" + outsider_key[1]}
+    info = httpx.post(
+        server + "api/v1/get_info", json={"model_id": training.model_id}, headers=headers
+    )
+    assert info.status_code == 404
+    step = httpx.post(
+        server + "api/v1/optim_step",
+        json={"model_id": training.model_id, "seq_id": 99, "adam_params": {}},
+        headers=headers,
+    )
+    assert step.status_code == 404
+
+
+def test_it_runs_an_rl_loop_with_importance_sampling_whose_reward_rises(
+    server: str, owner_key: tuple[Any, str], base_model_dir: Any
+) -> None:
+    from training.data import bandit_prompt, final_answer
+    from training.model import DEFAULT_BASE_MODEL
+
+    if str(base_model_dir) != DEFAULT_BASE_MODEL:
+        pytest.skip("needs the project's tiny chat model (scripts/build_tiny_model.py)")
+    group = 16
+    with service_client(server, owner_key[1]) as service:
+        training = service.create_lora_training_client(
+            base_model=BASE_NAME, rank=8, seed=3
+        ).result()
+        tokenizer = training.get_tokenizer()
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": bandit_prompt(5)}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        rewards_per_step = []
+        for step in range(8):
+            sampler = training.save_weights_and_get_sampling_client().result()
+            result = sampler.sample(
+                types.ModelInput.from_ints(prompt_ids),
+                num_samples=group,
+                sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=step),
+            ).result()
+            # The bandit pays for arm 3 only.
+            rewards = np.array(
+                [float(final_answer(tokenizer.decode(s.tokens)) == "3") for s in result.sequences]
+            )
+            rewards_per_step.append(float(rewards.mean()))
+            advantages = rewards - rewards.mean()
+            data = []
+            for seq, adv in zip(result.sequences, advantages, strict=True):
+                tokens = prompt_ids + list(seq.tokens)
+                n_prompt = len(prompt_ids) - 1
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+                            "logprobs": np.array(
+                                [0.0] * n_prompt + list(seq.logprobs), dtype=np.float32
+                            ),
+                            "advantages": np.array(
+                                [0.0] * n_prompt + [adv] * len(seq.tokens), dtype=np.float32
+                            ),
+                        },
+                    )
+                )
+            fwd = training.forward_backward(data, "importance_sampling")
+            training.optim_step(types.AdamParams(learning_rate=4e-3))
+            assert math.isfinite(fwd.result().metrics["loss:sum"])
+        early, late = np.mean(rewards_per_step[:2]), np.mean(rewards_per_step[-2:])
+        assert late > early + 0.25, rewards_per_step

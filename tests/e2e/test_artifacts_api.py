@@ -1,0 +1,121 @@
+"""The checkpoints and artifacts endpoints read a job's workdir as the runner lays it out.
+
+No model or worker here: the workdir is written in the runner's layout (``checkpoints.jsonl``
+plus ``<name>/state.pt``, ``adapter/``, ``eval/``, ``summary.json``), including the debris a
+killed run leaves (a torn index line, an index line whose state file never landed).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from jobs.models import Job, JobMetric, JobState
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def job(team: Any, owner: Any, data_dir: Path) -> Job:
+    job = Job.objects.create(
+        team=team,
+        created_by=owner,
+        name="done",
+        spec={"method": "rl", "env": "bandit"},
+        spec_version=1,
+        state=JobState.SUCCEEDED,
+    )
+    root = data_dir / "jobs" / str(job.pk)
+    ckpts = root / "checkpoints"
+    for name in ("step-000002", "step-000004"):
+        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "state.pt").write_bytes(name.encode())
+    lines = [
+        {"name": "step-000002", "step": 2, "path": "x", "created": 1.0, "extra": {"step": 2}},
+        {"name": "step-000004", "step": 4, "path": "x", "created": 2.0, "extra": {"step": 4}},
+        # Saved by a killed attempt before its state file was written: not listed.
+        {"name": "step-000006", "step": 6, "path": "x", "created": 3.0, "extra": {"step": 6}},
+        # A requeued attempt saved step 4 again: listed once, the later record wins.
+        {"name": "step-000004", "step": 4, "path": "x", "created": 4.0, "extra": {"attempt": 2}},
+    ]
+    body = "".join(json.dumps(line) + "\n" for line in lines) + '{"name": "step-0000'
+    (ckpts / "checkpoints.jsonl").write_text(body)
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_config.json").write_text('{"r": 8}')
+    (root / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    (root / "eval").mkdir()
+    (root / "eval" / "step-000004.jsonl").write_text('{"reward": 1.0}\n')
+    (root / "summary.json").write_text('{"step": 4}')
+    (data_dir / "jobs" / "secret.txt").write_text("not yours")
+    JobMetric.objects.create(job=job, step=1, name="reward/mean", value=0.25)
+    JobMetric.objects.create(job=job, step=2, name="reward/mean", value=0.5)
+    return job
+
+
+def body_of(response: Any) -> bytes:
+    return b"".join(response.streaming_content)
+
+
+def test_it_lists_complete_checkpoints_and_serves_their_state(
+    job: Job, owner_client: APIClient
+) -> None:
+    response = owner_client.get(f"/api/v1/jobs/{job.pk}/checkpoints")
+    assert response.status_code == 200
+    listed = response.json()
+    assert [(c["name"], c["step"], c["attempt"]) for c in listed] == [
+        ("step-000002", 2, None),
+        ("step-000004", 4, 2),
+    ]
+    assert listed[1]["download"].endswith(f"/api/v1/jobs/{job.pk}/checkpoints/step-000004")
+    state = owner_client.get(listed[1]["download"])
+    assert state.status_code == 200 and body_of(state) == b"step-000004"
+    assert owner_client.get(f"/api/v1/jobs/{job.pk}/checkpoints/step-000006").status_code == 404
+
+
+def test_it_serves_the_adapter_as_a_zip_and_the_metrics_as_jsonl(
+    job: Job, owner_client: APIClient
+) -> None:
+    listed = {a["name"]: a for a in owner_client.get(f"/api/v1/jobs/{job.pk}/artifacts").json()}
+    assert set(listed) == {"adapter", "summary.json", "eval/step-000004.jsonl", "metrics.jsonl"}
+    with zipfile.ZipFile(
+        io.BytesIO(body_of(owner_client.get(listed["adapter"]["download"])))
+    ) as zf:
+        assert sorted(zf.namelist()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert zf.read("adapter_model.safetensors") == b"weights"
+    lines = body_of(owner_client.get(listed["metrics.jsonl"]["download"])).splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 1, "name": "reward/mean", "value": 0.25},
+        {"step": 2, "name": "reward/mean", "value": 0.5},
+    ]
+    eval_file = owner_client.get(f"/api/v1/jobs/{job.pk}/artifacts/eval/step-000004.jsonl")
+    assert body_of(eval_file) == b'{"reward": 1.0}\n'
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "artifacts/..%2Fsecret.txt",
+        "artifacts/eval/..",
+        "artifacts/checkpoints",
+        "checkpoints/checkpoints.jsonl",
+        "checkpoints/..",
+    ],
+)
+def test_it_serves_nothing_outside_what_it_lists(
+    job: Job, owner_client: APIClient, path: str
+) -> None:
+    assert owner_client.get(f"/api/v1/jobs/{job.pk}/{path}").status_code == 404
+
+
+def test_it_hides_another_teams_job(
+    job: Job, outsider_client: APIClient, teammate_client: APIClient
+) -> None:
+    for path in ("checkpoints", "artifacts", "artifacts/adapter", "checkpoints/step-000002"):
+        assert outsider_client.get(f"/api/v1/jobs/{job.pk}/{path}").status_code == 404
+        assert teammate_client.get(f"/api/v1/jobs/{job.pk}/{path}").status_code == 200

@@ -1,0 +1,206 @@
+"""The model worker in-process: requests read from its Redis stream, multi-LoRA batching.
+
+Forward/backward requests of different models that are ready together run as ONE engine call;
+each request still gets its own loss, metrics and logprobs, equal to running it alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tinker_api import futures
+from tinker_api.modelworker import ModelWorker
+
+BASE = "batching-test"
+
+
+@pytest.fixture(autouse=True)
+def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
+    def clean() -> None:
+        keys = list(redis_client.scan_iter(match=f"{futures.PREFIX}*", count=1000))
+        if keys:
+            redis_client.delete(*keys)
+
+    clean()
+    yield
+    clean()
+
+
+def submit(op: dict[str, Any], body: bytes | None = None) -> str:
+    rid = futures.new_request_id()
+    futures.create(rid, team_id=1, kind=op["op"], base=BASE)
+    futures.enqueue(BASE, {**op, "rid": rid}, body=body)
+    return rid
+
+
+def create(model: str, seed: int) -> str:
+    config = {"rank": 4, "seed": seed, "train_attn": True, "train_mlp": True}
+    return submit({"op": "create", "model": model, "seq": 0, "config": config})
+
+
+def tensor(values: list[Any], dtype: str) -> dict[str, Any]:
+    return {"data": values, "dtype": dtype}
+
+
+def fwdbwd(model: str, seq: int, loss_fn: str, rows: list[list[int]]) -> str:
+    data = []
+    for tokens in rows:
+        n = len(tokens) - 1
+        inputs: dict[str, Any] = {"target_tokens": tensor(tokens[1:], "int64")}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = tensor([1.0] * n, "float32")
+        else:
+            inputs["logprobs"] = tensor([-1.0] * n, "float32")
+            inputs["advantages"] = tensor([0.5] * n, "float32")
+        data.append(
+            {
+                "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+                "loss_fn_inputs": inputs,
+            }
+        )
+    body = json.dumps(
+        {
+            "model_id": model,
+            "seq_id": seq,
+            "forward_backward_input": {"data": data, "loss_fn": loss_fn},
+        }
+    ).encode()
+    return submit(
+        {
+            "op": "fwdbwd",
+            "model": model,
+            "seq": seq,
+            "forward_only": False,
+            "ctype": "application/json",
+        },
+        body,
+    )
+
+
+def result(rid: str) -> dict[str, Any]:
+    fut = futures.get(rid)
+    assert fut is not None and fut["status"] == futures.DONE, fut
+    return json.loads(fut["json"])
+
+
+def drain(worker: ModelWorker) -> None:
+    while worker.read(0) or worker.step():
+        pass
+
+
+ROWS_A = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+ROWS_B = [[20, 21, 22, 23]]
+
+
+def test_it_batches_two_models_into_one_engine_call_with_their_own_results(
+    base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training import ops
+
+    calls: list[int] = []
+    real = ops.forward_backward
+
+    def counting(policies: Any, datums: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(datums))
+        return real(policies, datums, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "forward_backward", counting)
+
+    together = ModelWorker(BASE, str(base_model_dir), "cpu", "w-together")
+    create("a", 1), create("b", 2)
+    drain(together)
+    fa = fwdbwd("a", 1, "cross_entropy", ROWS_A)
+    fb = fwdbwd("b", 1, "importance_sampling", ROWS_B)
+    drain(together)
+    assert calls == [3], "both models' rows should run in one forward/backward"
+    batched = {"a": result(fa), "b": result(fb)}
+
+    # The same requests, one model at a time, on a fresh worker.
+    futures.set_next_seq("a", 0), futures.set_next_seq("b", 0)
+    alone = ModelWorker(BASE, str(base_model_dir), "cpu", "w-alone")
+    create("a", 1), create("b", 2)
+    drain(alone)
+    solo = {}
+    for name, loss, rows in (("a", "cross_entropy", ROWS_A), ("b", "importance_sampling", ROWS_B)):
+        rid = fwdbwd(name, 1, loss, rows)
+        drain(alone)
+        solo[name] = result(rid)
+    assert calls[1:] == [2, 1]
+
+    for name in ("a", "b"):
+        assert batched[name]["metrics"]["loss:sum"] == pytest.approx(
+            solo[name]["metrics"]["loss:sum"], rel=1e-5
+        )
+        got = [v for o in batched[name]["loss_fn_outputs"] for v in o["logprobs"]["data"]]
+        want = [v for o in solo[name]["loss_fn_outputs"] for v in o["logprobs"]["data"]]
+        assert got == pytest.approx(want, abs=1e-5)
+    # Each model accumulated only its own gradient.
+    for name in ("a", "b"):
+        g1 = [p.grad for p in together.policies[name].parameters() if p.grad is not None]
+        g2 = [p.grad for p in alone.policies[name].parameters() if p.grad is not None]
+        assert len(g1) == len(g2) > 0
+        for x, y in zip(g1, g2, strict=True):
+            assert (x - y).abs().max().item() < 1e-5
+
+
+def test_it_fails_one_bad_request_without_failing_its_batch_mates(base_model_dir: Path) -> None:
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-bad")
+    create("a", 1), create("b", 2)
+    drain(worker)
+    good = fwdbwd("a", 1, "cross_entropy", ROWS_A)
+    # An unknown loss_fn_config key is discovered only when the loss runs.
+    bad_body = json.dumps(
+        {
+            "model_id": "b",
+            "seq_id": 1,
+            "forward_backward_input": {
+                "data": [
+                    {
+                        "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                        "loss_fn_inputs": {
+                            "target_tokens": tensor([2, 3, 4], "int64"),
+                            "weights": tensor([1.0, 1.0, 1.0], "float32"),
+                        },
+                    }
+                ],
+                "loss_fn": "cross_entropy",
+                "loss_fn_config": {"no_such_knob": 1.0},
+            },
+        }
+    ).encode()
+    bad = submit(
+        {
+            "op": "fwdbwd",
+            "model": "b",
+            "seq": 1,
+            "forward_only": False,
+            "ctype": "application/json",
+        },
+        bad_body,
+    )
+    drain(worker)
+    assert result(good)["metrics"]["loss:sum"] > 0
+    failed = futures.get(bad)
+    assert failed is not None and failed["status"] == futures.FAILED
+    assert "no_such_knob" in failed["error"] and failed["category"] == "user"
+
+
+def test_it_drops_the_queued_work_of_a_finished_session(base_model_dir: Path) -> None:
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-close")
+    create("a", 1)
+    drain(worker)
+    # seq 2 waits for a seq 1 that never comes (a client-side custom loss that raised).
+    stuck = fwdbwd("a", 2, "cross_entropy", ROWS_A)
+    drain(worker)
+    assert futures.get(stuck)["status"] == futures.CLAIMED
+    closed = submit({"op": "close", "models": ["a"]})
+    drain(worker)
+    failed = futures.get(stuck)
+    assert failed["status"] == futures.FAILED and "finished" in failed["error"]
+    assert futures.get(closed)["status"] == futures.DONE
+    assert "a" not in worker.policies and "a" not in worker.engine.policies

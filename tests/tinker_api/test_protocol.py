@@ -1,0 +1,369 @@
+"""The protocol endpoints over raw HTTP (JSON bodies, as curl or an older client sends them).
+
+Fast checks need no worker: authentication, unknown and foreign ids, deduplication of a
+resubmitted seq_id, sampling backpressure. The live ones run a real Celery worker: requests
+of one model wait for the seq_id gap to fill, an idle model worker gives its block back, and
+a worker that dies fails the futures it held instead of leaving them pending.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from tests.tinker_api.conftest import BASE_NAME
+from tinker_api import futures
+from tinker_api.models import TinkerSession
+
+
+@pytest.fixture(autouse=True)
+def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
+    def clean() -> None:
+        keys = list(redis_client.scan_iter(match=f"{futures.PREFIX}*", count=1000))
+        if keys:
+            redis_client.delete(*keys)
+
+    clean()
+    yield
+    clean()
+
+
+def api(client: Any, key: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    headers = {"HTTP_X_API_KEY": "tml-" + key}
+    if body is None:
+        return client.get(f"/api/v1/{path}", **headers)
+    return client.post(f"/api/v1/{path}", body, content_type="application/json", **headers)
+
+
+def datum(tokens: list[int]) -> dict[str, Any]:
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": tokens[1:], "dtype": "int64"},
+            "weights": {"data": [1.0] * (len(tokens) - 1), "dtype": "float32"},
+        },
+    }
+
+
+def fwdbwd_body(model_id: str, seq_id: int) -> dict[str, Any]:
+    return {
+        "model_id": model_id,
+        "seq_id": seq_id,
+        "forward_backward_input": {"data": [datum([5, 6, 7, 8, 9])], "loss_fn": "cross_entropy"},
+    }
+
+
+def new_session(client: Any, key: str) -> str:
+    res = api(client, key, "create_session", {"sdk_version": "0.38.0", "tags": []})
+    assert res.status_code == 200, res.content
+    return res.json()["session_id"]
+
+
+def new_model(client: Any, key: str, session_id: str, seq: int = 0) -> tuple[str, str]:
+    res = api(
+        client,
+        key,
+        "create_model",
+        {
+            "session_id": session_id,
+            "model_seq_id": seq,
+            "base_model": BASE_NAME,
+            "lora_config": {"rank": 4},
+        },
+    )
+    assert res.status_code == 200, res.content
+    return res.json()["request_id"], res.json()["model_id"]
+
+
+# --------------------------------------------------------------------------- no worker
+
+
+@pytest.mark.django_db
+def test_it_refuses_a_missing_or_unknown_key() -> None:
+    client = Client()
+    assert (
+        client.post("/api/v1/create_session", {}, content_type="application/json").status_code
+        == 401
+    )
+    res = api(client, "otk_nope_nope", "create_session", {"sdk_version": "0.38.0"})
+    assert res.status_code == 401
+    assert client.get("/api/v1/healthz").json() == {"status": "ok"}
+
+
+def test_it_answers_foreign_ids_as_unknown(
+    tinker_base: Any, owner_key: tuple[Any, str], outsider_key: tuple[Any, str]
+) -> None:
+    client = Client()
+    session_id = new_session(client, owner_key[1])
+    request_id, model_id = new_model(client, owner_key[1], session_id)
+    other = outsider_key[1]
+    assert api(client, other, "get_info", {"model_id": model_id}).status_code == 404
+    assert api(client, other, "session_heartbeat", {"session_id": session_id}).status_code == 404
+    poll = api(client, other, "retrieve_future", {"request_id": request_id})
+    assert poll.status_code == 410
+    assert api(client, other, "training_runs").json()["training_runs"] == []
+    assert api(client, other, f"training_runs/{model_id}").status_code == 404
+    mine = api(client, owner_key[1], "get_info", {"model_id": model_id}).json()
+    assert mine["model_id"] == model_id and mine["lora_rank"] == 4
+    assert mine["model_data"]["model_name"] == str(tinker_base.resolved_path())
+
+
+def test_it_answers_a_resubmitted_seq_id_with_the_first_future(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    client = Client()
+    _, model_id = new_model(client, owner_key[1], new_session(client, owner_key[1]))
+    first = api(client, owner_key[1], "forward_backward", fwdbwd_body(model_id, 1)).json()
+    again = api(client, owner_key[1], "forward_backward", fwdbwd_body(model_id, 1)).json()
+    other = api(client, owner_key[1], "forward_backward", fwdbwd_body(model_id, 2)).json()
+    assert first["request_id"] == again["request_id"] != other["request_id"]
+    # create + two distinct forward/backward requests: the duplicate was not queued.
+    assert redis_client.xlen(futures.stream_key(BASE_NAME)) == 3
+
+
+def test_it_refuses_bad_requests_at_submission(
+    tinker_base: Any, owner_key: tuple[Any, str]
+) -> None:
+    client = Client()
+    key = owner_key[1]
+    session_id = new_session(client, key)
+    _, model_id = new_model(client, key, session_id)
+    body = fwdbwd_body(model_id, 1)
+    body["forward_backward_input"]["loss_fn"] = "no_such_loss"
+    res = api(client, key, "forward_backward", body)
+    assert res.status_code == 400 and "no_such_loss" in res.json()["detail"]
+    res = api(
+        client,
+        key,
+        "create_model",
+        {
+            "session_id": session_id,
+            "model_seq_id": 1,
+            "base_model": "nope",
+            "lora_config": {"rank": 4},
+        },
+    )
+    assert res.status_code == 400 and BASE_NAME in res.json()["detail"]
+    res = api(
+        client,
+        key,
+        "create_model",
+        {
+            "session_id": session_id,
+            "model_seq_id": 1,
+            "base_model": BASE_NAME,
+            "lora_config": {"rank": 999},
+        },
+    )
+    assert res.status_code == 400 and "rank" in res.json()["detail"]
+    res = api(client, key, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "../up"})
+    assert res.status_code == 400
+
+
+def test_it_pushes_back_on_sampling_when_the_queue_is_full(
+    tinker_base: Any, owner_key: tuple[Any, str], settings: Any
+) -> None:
+    settings.OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = 1
+    client = Client()
+    key = owner_key[1]
+    session_id = new_session(client, key)
+    sampler = api(
+        client,
+        key,
+        "create_sampling_session",
+        {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE_NAME},
+    ).json()["sampling_session_id"]
+    body = {
+        "sampling_session_id": sampler,
+        "seq_id": 0,
+        "num_samples": 3,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+        "sampling_params": {"max_tokens": 2},
+    }
+    headers = {"HTTP_X_API_KEY": "tml-" + key, "HTTP_X_TINKER_SAMPLING_BACKPRESSURE": "1"}
+    first = client.post("/api/v1/asample", body, content_type="application/json", **headers)
+    assert first.status_code == 200
+    rid = first.json()["request_id"]
+    assert first.json()["sample_sequence_ids"] == [f"{rid}:{i}" for i in range(3)]
+    second = client.post(
+        "/api/v1/asample", {**body, "seq_id": 1}, content_type="application/json", **headers
+    )
+    assert second.status_code == 429
+    # Without the header the request is queued anyway.
+    third = api(client, key, "asample", {**body, "seq_id": 1})
+    assert third.status_code == 200
+
+
+def test_it_stops_heartbeats_of_a_finished_session(
+    tinker_base: Any, owner_key: tuple[Any, str]
+) -> None:
+    client = Client()
+    key = owner_key[1]
+    session_id = new_session(client, key)
+    assert api(client, key, "session_heartbeat", {"session_id": session_id}).status_code == 200
+    finish = api(client, key, f"sessions/{session_id}/finish", {"reason": {"type": "success"}})
+    assert finish.status_code == 200
+    api(client, key, f"sessions/{session_id}/finish", {"reason": {"type": "errored"}})
+    assert TinkerSession.objects.get(pk=session_id).finish_reason == "success"
+    assert api(client, key, "session_heartbeat", {"session_id": session_id}).status_code == 410
+
+
+# --------------------------------------------------------------------------- live worker
+
+
+@pytest.fixture
+def live(
+    live_server: Any,
+    tinker_base: Any,
+    start_worker: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[str, Any]]:
+    import httpx
+
+    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "2")
+    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
+    monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "1")
+    worker = start_worker()
+    with httpx.Client(base_url=live_server.url + "/api/v1/", timeout=30) as http:
+        yield worker, http
+
+
+def poll(http: Any, key: str, request_id: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = http.post(
+            "retrieve_future", json={"request_id": request_id}, headers={"X-API-Key": "tml-" + key}
+        )
+        if res.status_code != 408:
+            return res
+    raise AssertionError(f"future {request_id} still pending after {timeout} s")
+
+
+def post(http: Any, key: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    res = http.post(path, json=body, headers={"X-API-Key": "tml-" + key})
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
+    live: tuple[Any, Any], owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    from workers.locktable import GpuLockTable
+
+    _worker, http = live
+    key = owner_key[1]
+    session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
+    created = post(
+        http,
+        key,
+        "create_model",
+        {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": BASE_NAME,
+            "lora_config": {"rank": 4},
+        },
+    )
+    model_id = created["model_id"]
+    assert poll(http, key, created["request_id"]).json()["model_id"] == model_id
+    # seq 2 arrives before seq 1: it must wait for it.
+    step = post(
+        http,
+        key,
+        "optim_step",
+        {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}},
+    )
+    res = http.post(
+        "retrieve_future",
+        json={"request_id": step["request_id"]},
+        headers={"X-API-Key": "tml-" + key},
+    )
+    assert res.status_code == 408 and res.json()["type"] == "try_again"
+    fwd = post(http, key, "forward_backward", fwdbwd_body(model_id, 1))
+    fwd_result = poll(http, key, fwd["request_id"]).json()
+    assert fwd_result["metrics"]["loss:sum"] > 0
+    assert len(fwd_result["loss_fn_outputs"][0]["logprobs"]["data"]) == 4
+    step_result = poll(http, key, step["request_id"]).json()
+    # The step saw the gradient of seq 1: a non-zero norm.
+    assert step_result["metrics"]["optim/grad_norm:mean"] > 0
+
+    table = GpuLockTable(redis_client)
+
+    def released() -> bool:
+        return not any(lease.job_id.startswith("tinker:") for lease in table.leases())
+
+    deadline = time.monotonic() + 30
+    while not released() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert released(), "the idle model worker kept its block"
+    assert futures.worker_of(BASE_NAME) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_it_fails_the_futures_of_a_worker_that_dies_and_recovers_from_the_saved_state(
+    live: tuple[Any, Any], owner_key: tuple[Any, str], start_worker: Callable[..., Any]
+) -> None:
+    worker, http = live
+    key = owner_key[1]
+    session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
+    created = post(
+        http,
+        key,
+        "create_model",
+        {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": BASE_NAME,
+            "lora_config": {"rank": 4},
+        },
+    )
+    model_id = created["model_id"]
+    poll(http, key, created["request_id"])
+    sampler = post(
+        http, key, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 1, "path": "keep"}
+    )
+    sampler_path = poll(http, key, sampler["request_id"]).json()["path"]
+    state = post(http, key, "save_weights", {"model_id": model_id, "seq_id": 2, "path": "state"})
+    assert poll(http, key, state["request_id"]).status_code == 200
+    # seq 4 waits for seq 3 inside the worker, which then dies with it.
+    held = post(http, key, "forward_backward", fwdbwd_body(model_id, 4))
+    time.sleep(1.0)
+    worker.kill()
+    answer = poll(http, key, held["request_id"], timeout=30).json()
+    assert answer["category"] == "server"
+    assert "model worker" in answer["error"]
+
+    # A new worker rebuilds the model from its saved state; the lost seq 4 is skipped.
+    start_worker()
+    step = post(http, key, "optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {}})
+    assert "metrics" in poll(http, key, step["request_id"]).json()
+    fwd = post(http, key, "forward_backward", fwdbwd_body(model_id, 5))
+    assert poll(http, key, fwd["request_id"]).json()["metrics"]["loss:sum"] > 0
+    # The sampler weights saved before the crash load from disk.
+    sampling_id = post(
+        http,
+        key,
+        "create_sampling_session",
+        {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": sampler_path},
+    )["sampling_session_id"]
+    sample = post(
+        http,
+        key,
+        "asample",
+        {
+            "sampling_session_id": sampling_id,
+            "seq_id": 0,
+            "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+            "sampling_params": {"max_tokens": 3, "temperature": 0.0},
+        },
+    )
+    out = poll(http, key, sample["request_id"]).json()
+    assert len(out["sequences"]) == 2 and 1 <= len(out["sequences"][0]["tokens"]) <= 3
