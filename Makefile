@@ -40,10 +40,11 @@ test: install
 test-embedded:
 	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q
 
-# The same suite against real PostgreSQL and Redis, when this machine has them.
+# The same suite against real PostgreSQL and Redis, when this machine has them. The engine's
+# tests (tests/training) touch neither and ran once already.
 test-services:
 	@if $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"; then \
-		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" $(PY) -m pytest -q; \
+		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" $(PY) -m pytest -q --ignore=tests/training; \
 	else \
 		echo "PostgreSQL or Redis not reachable: skipped the run against real services"; \
 	fi

@@ -2,9 +2,10 @@
 
 The runner (``workers.runners.native``) writes under ``<OPENTINKER_DATA_DIR>/jobs/<job id>/``:
 ``checkpoints/<name>/state.pt`` indexed by ``checkpoints/checkpoints.jsonl``, ``adapter/``
-(PEFT) or ``model/`` (full fine-tuning), ``eval/step-*.jsonl`` transcripts and
-``summary.json``. The files are the record; this module only reads them, and every name that
-comes from a URL is checked against what is listed, so no path outside the workdir is served.
+(PEFT) or ``model/`` (full fine-tuning), ``eval/step-*.jsonl`` transcripts (an eval job:
+``eval/transcripts.jsonl``) and ``summary.json``. The files are the record; this module only
+reads them, and every name that comes from a URL is checked against what is listed, so no
+path outside the workdir is served.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def checkpoint_file(job_id: Any, name: str) -> Path | None:
     return workdir(job_id) / "checkpoints" / name / CHECKPOINT_STATE
 
 
+def adapter_dir(job_id: Any) -> Path | None:
+    """The job's final PEFT adapter directory, once the run has exported it."""
+    path = workdir(job_id) / "adapter"
+    return path if (path / "adapter_model.safetensors").is_file() else None
+
+
 def artifacts(job_id: Any) -> list[dict[str, Any]]:
     """The final weights, the summary and the eval transcripts that exist now."""
     root = workdir(job_id)
@@ -103,7 +110,8 @@ def artifacts(job_id: Any) -> list[dict[str, Any]]:
             )
     eval_dir = root / "eval"
     if eval_dir.is_dir():
-        for path in sorted(eval_dir.glob("step-*.jsonl")):
+        # step-*.jsonl: a training run's evaluations; transcripts.jsonl: an eval job's.
+        for path in sorted(eval_dir.glob("*.jsonl")):
             out.append(
                 {
                     "name": f"eval/{path.name}",

@@ -154,3 +154,41 @@ class BaseModelSerializer(serializers.ModelSerializer):
         model = BaseModel
         fields = ["name", "max_lora_rank", "max_context", "description"]
         read_only_fields = fields
+
+
+class SampleMessageSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=["system", "user", "assistant"])
+    content = serializers.CharField(max_length=20_000, allow_blank=True, trim_whitespace=False)
+
+
+class SampleRequestSerializer(serializers.Serializer):
+    """Bounded on purpose: the tiny-model sampler runs inside the web process."""
+
+    prompt = serializers.CharField(
+        required=False, max_length=20_000, trim_whitespace=False, help_text="Raw text to continue."
+    )
+    messages = SampleMessageSerializer(
+        many=True, required=False, help_text="A chat, rendered with the base model's template."
+    )
+    max_tokens = serializers.IntegerField(min_value=1, max_value=256, default=64)
+    temperature = serializers.FloatField(min_value=0.0, max_value=2.0, default=1.0)
+    n = serializers.IntegerField(min_value=1, max_value=8, default=1)
+    seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+
+    def validate(self, attrs: dict) -> dict:  # type: ignore[type-arg]
+        if ("prompt" in attrs) == ("messages" in attrs):
+            raise serializers.ValidationError("give exactly one of `prompt` or `messages`.")
+        if "messages" in attrs and not attrs["messages"]:
+            raise serializers.ValidationError({"messages": ["must not be empty."]})
+        return attrs
+
+
+class SampleSerializer(serializers.Serializer):
+    text = serializers.CharField()
+    tokens = serializers.ListField(child=serializers.IntegerField())
+    stop_reason = serializers.CharField(help_text="'stop' or 'length'.")
+
+
+class SampleResponseSerializer(serializers.Serializer):
+    job = serializers.UUIDField()
+    samples = SampleSerializer(many=True)

@@ -41,7 +41,7 @@ from .models import (
     JobMetric,
     JobState,
 )
-from .spec import JobSpec, SpecError, parse_spec
+from .spec import JobSpec, SpecError, check_base_model_limits, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,10 @@ def _check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
         return []
     model = BaseModel.objects.filter(name=parsed.base_model).first()
     if model is not None and model.enabled:
-        return []
+        # Every submission path (API, web form, admin, scripts) meets the registry's limits.
+        return check_base_model_limits(
+            parsed, max_lora_rank=model.max_lora_rank, max_context=model.max_context
+        )
     available = ", ".join(BaseModel.objects.enabled().values_list("name", flat=True)) or "none"
     reason = "is disabled" if model is not None else "is not a registered base model"
     return [
@@ -282,6 +285,53 @@ def _check_env_and_dataset(parsed: JobSpec, team: Team) -> tuple[str | None, lis
     return dataset.ref, []
 
 
+def _check_eval(parsed: JobSpec, team: Team, kind: str) -> list[dict[str, str]]:
+    """An eval job names what it evaluates; a training job must not.
+
+    ``eval.from_job`` must be a LoRA job of the same team on the same base model, with the
+    named checkpoint, or (no checkpoint) a final adapter, already on disk.
+    """
+    from . import artifacts
+
+    if kind != JobKind.EVAL:
+        if parsed.eval is not None:
+            return [{"field": "eval", "reason": "only valid for kind 'eval'"}]
+        return []
+    if parsed.eval is None:
+        return [{"field": "eval", "reason": "required for kind 'eval' ({} = the base model)"}]
+    if parsed.eval.from_job is None:
+        return []
+    source = Job.objects.filter(pk=parsed.eval.from_job, team=team).first()
+    if source is None:
+        reason = f"team {team.slug!r} has no job {parsed.eval.from_job}"
+        return [{"field": "eval.from_job", "reason": reason}]
+    try:
+        source_spec = parse_spec(source.spec)
+    except SpecError:
+        source_spec = None
+    if source_spec is None or source_spec.method not in ("rl", "sft") or source.kind != "train":
+        return [{"field": "eval.from_job", "reason": "is not a training job (rl or sft)"}]
+    if source_spec.full_finetune:
+        reason = "trained every weight (full_finetune); eval jobs load LoRA adapters"
+        return [{"field": "eval.from_job", "reason": reason}]
+    if source_spec.base_model != parsed.base_model:
+        reason = f"job {source.pk} trained base model {source_spec.base_model!r}"
+        return [{"field": "base_model", "reason": reason}]
+    if parsed.eval.checkpoint is not None:
+        if artifacts.checkpoint_file(source.pk, parsed.eval.checkpoint) is None:
+            names = ", ".join(c["name"] for c in artifacts.checkpoints(source.pk)) or "none"
+            reason = f"job {source.pk} has no checkpoint {parsed.eval.checkpoint!r}; has: {names}"
+            return [{"field": "eval.checkpoint", "reason": reason}]
+        return []
+    if artifacts.adapter_dir(source.pk) is None:
+        reason = (
+            f"job {source.pk} has no final adapter yet (state {source.state}); "
+            "name one of its checkpoints in eval.checkpoint"
+        )
+        return [{"field": "eval.from_job", "reason": reason}]
+    return []
+
+
 def submit_job(
     *,
     team: Team,
@@ -318,7 +368,7 @@ def submit_job(
         # Under the lock: jobs.datasets.delete_dataset takes it too, so a dataset cannot be
         # deleted between being found here and the job row naming it.
         dataset_ref, errors = _check_env_and_dataset(parsed, team)
-        errors = _check_base_model(parsed) + errors
+        errors = _check_base_model(parsed) + errors + _check_eval(parsed, team, kind)
         if errors:
             raise SpecError(errors)
         normalized = parsed.model_dump(mode="json")

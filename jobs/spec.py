@@ -8,6 +8,7 @@ version model and registers it in ``SPEC_VERSIONS``.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import (
@@ -180,6 +181,62 @@ class OptimizerSpec(_Section):
         return value
 
 
+class EvalSpec(_Section):
+    """What an eval job (``kind: eval``) runs through the env, with training switched off."""
+
+    from_job: str | None = Field(
+        None,
+        description=(
+            "Id of a job of the team whose weights are evaluated: its final adapter, or "
+            "`checkpoint`; null = the base model itself."
+        ),
+    )
+    checkpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="A checkpoint of `from_job` (e.g. 'step-000010') instead of its final adapter.",
+    )
+    split: Literal["heldout", "all"] = Field(
+        "heldout",
+        description=(
+            "'heldout': the prompts a training run evaluates on (a built-in set's test split, "
+            "else the seeded hold-out of `eval_examples` rows for this `seed`); 'all': the "
+            "dataset's first `eval_examples` rows."
+        ),
+    )
+
+    @field_validator("from_job")
+    @classmethod
+    def _job_id(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                return str(uuid.UUID(value))
+            except ValueError:
+                raise ValueError("must be a job id (UUID)") from None
+        return value
+
+    @model_validator(mode="after")
+    def _checkpoint_of_a_job(self) -> EvalSpec:
+        if self.checkpoint is not None and self.from_job is None:
+            raise _FieldErrors([("checkpoint", "names a checkpoint of `from_job`: give both")])
+        return self
+
+
+# Fields an eval job refuses: it trains nothing, and the weights' shape comes from `from_job`.
+EVAL_REFUSED_FIELDS = (
+    "algorithm",
+    "lora",
+    "full_finetune",
+    "optimizer",
+    "steps",
+    "batch_size",
+    "eval_every",
+    "checkpoint_every",
+)
+
+
 class JobSpecV1(BaseModel):
     # strict: JSON true is not 1 and "2" is not 2; a typo fails loudly instead of coercing.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -248,6 +305,14 @@ class JobSpecV1(BaseModel):
         "native", description="'native' (this engine, CPU or GPU) or 'verl' (GPU at scale)."
     )
 
+    eval: EvalSpec | None = Field(
+        None,
+        description=(
+            "Eval jobs only (kind 'eval'): the snapshot to evaluate on `eval_examples` held-out "
+            "prompts with greedy decoding; `rollout` and `env_config` apply as in training."
+        ),
+    )
+
     @field_validator("env")
     @classmethod
     def _env_for_training(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -288,12 +353,20 @@ class JobSpecV1(BaseModel):
                     errors.append((name, "only valid with method 'rl'"))
         if self.method == "rl" and _changed(self, "batch_size"):
             errors.append(("batch_size", "only valid with method 'sft' (RL: rollout sizes)"))
+        if self.eval is not None:
+            if self.method == "smoke":
+                errors.append(("eval", "an eval job gives method 'rl' or 'sft' and an env"))
+            for name in EVAL_REFUSED_FIELDS:
+                if _changed(self, name):
+                    errors.append((name, "an eval job trains nothing: not valid with `eval`"))
         if self.full_finetune and _changed(self, "lora"):
             errors.append(("lora", "give either `lora` or `full_finetune: true`, not both"))
         if self.method in ("rl", "sft") and self.env is not None:
             errors.extend(_env_errors(self))
         if self.runner == "verl" and self.method == "sft":
             errors.append(("runner", "the verl runner trains method 'rl' only"))
+        if self.runner == "verl" and self.method == "rl":
+            errors.extend(_verl_errors(self))
         if errors:
             raise _FieldErrors(errors)
         return self
@@ -335,6 +408,18 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
             errors.append(("rollout.group_size", "'rloo' needs at least 2 samples per group"))
         if spec.env == "gomoku_selfplay" and spec.rollout.group_size % 2:
             errors.append(("rollout.group_size", "self-play pairs episodes: give an even size"))
+    return errors
+
+
+def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
+    """What verl cannot run (workers.runners.verl maps the rest; docs/verl.md)."""
+    errors = []
+    if spec.algorithm.advantage == "baseline":
+        errors.append(("algorithm.advantage", "'baseline' has no verl estimator: grpo or rloo"))
+    if spec.eval is not None:
+        errors.append(("runner", "eval jobs run on the native runner"))
+    if spec.env == "gomoku_selfplay":
+        errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
     return errors
 
 

@@ -24,7 +24,7 @@ from accounts.exceptions import Conflict
 from accounts.models import Quota
 from accounts.scoping import resolve_team, team_ids_for
 
-from . import artifacts, datasets, services
+from . import artifacts, datasets, sampling, services
 from .filters import DatasetFilter, JobFilter
 from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
 from .serializers import (
@@ -38,8 +38,10 @@ from .serializers import (
     JobSerializer,
     MetricSeriesSerializer,
     QuotaSerializer,
+    SampleRequestSerializer,
+    SampleResponseSerializer,
 )
-from .spec import SpecError, check_base_model_limits, parse_spec
+from .spec import SpecError
 
 
 class EventCursorPagination(CursorPagination):
@@ -78,7 +80,6 @@ class JobViewSet(
         data.is_valid(raise_exception=True)
         team = resolve_team(request, data.validated_data.get("team"))
         try:
-            _check_model_limits(data.validated_data["spec"])
             job = services.submit_job(
                 team=team,
                 user=request.user,
@@ -209,6 +210,30 @@ class JobViewSet(
         ]
         return Response(ArtifactSerializer(rows, many=True).data)
 
+    @extend_schema(request=SampleRequestSerializer, responses={200: SampleResponseSerializer})
+    @action(detail=True, methods=["post"], pagination_class=None, filterset_class=None)
+    def sample(self, request: Request, pk: str | None = None) -> Response:
+        """Generate from the job's final adapter (bounded: see jobs.sampling); 409 without one."""
+        job = self.get_object()
+        params = SampleRequestSerializer(data=request.data)
+        params.is_valid(raise_exception=True)
+        data = params.validated_data
+        try:
+            samples = sampling.sample_from_job(
+                job,
+                prompt=data.get("prompt"),
+                messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
+                max_tokens=data["max_tokens"],
+                temperature=data["temperature"],
+                n=data["n"],
+                seed=data.get("seed"),
+            )
+        except sampling.NoAdapter as exc:
+            raise Conflict(str(exc)) from exc
+        except sampling.BadSampleRequest as exc:
+            raise ValidationError({exc.field: [exc.reason]}) from exc
+        return Response({"job": str(job.pk), "samples": samples})
+
     @extend_schema(responses={(200, "application/octet-stream"): bytes})
     @action(
         detail=True,
@@ -247,26 +272,6 @@ class JobViewSet(
         return FileResponse(
             path.open("rb"), as_attachment=True, filename=f"{job.pk}-{name.replace('/', '-')}"
         )
-
-
-def _check_model_limits(raw_spec: dict[str, object]) -> None:
-    """Refuse a LoRA rank or a rollout length the base model's registry entry does not allow.
-
-    Runs before ``services.submit_job``, which does the rest of the checks; a spec that does
-    not parse or names an unknown model is left for it to report.
-    """
-    try:
-        spec = parse_spec(raw_spec)
-    except SpecError:
-        return
-    model = BaseModel.objects.filter(name=spec.base_model).first()
-    if model is None:
-        return
-    errors = check_base_model_limits(
-        spec, max_lora_rank=model.max_lora_rank, max_context=model.max_context
-    )
-    if errors:
-        raise SpecError(errors)
 
 
 class QuotaView(APIView):

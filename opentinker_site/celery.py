@@ -61,6 +61,7 @@ def celery_settings() -> dict[str, Any]:
             "workers.tasks.reap": {"queue": "control"},
             "workers.tasks.run_job": {"queue": "gpu"},
             "tinker_api.serve_base_model": {"queue": "gpu"},
+            "environments.tasks.*": {"queue": "env"},
         },
         # A GPU task occupies its worker for minutes: never reserve a second one behind it.
         "worker_prefetch_multiplier": 1,

@@ -14,6 +14,8 @@ Keys (prefix ``ot:tinker:``):
 - ``starting:<base>``       STRING set while a worker is being started (no second start)
 - ``next:<model_id>``       STRING the next seq_id a model executes (survives its worker)
 - ``samples:<base>``        STRING sample requests queued and not yet answered (backpressure)
+- ``stab:<team>:<seq>``     STRING JSON ``{"tokens", "logprobs"}`` of a sequence sampled with
+                            ``record_stability_info`` (StableReinforce); one day, renewed by use
 """
 
 from __future__ import annotations
@@ -227,5 +229,26 @@ def clear_starting(base: str) -> None:
     _r().delete(f"{PREFIX}starting:{base}")
 
 
-def is_starting(base: str) -> bool:
-    return bool(_r().exists(f"{PREFIX}starting:{base}"))
+# --------------------------------------------------------------------------- stability info
+
+
+STABILITY_TTL = 86400  # "can be trained on for one day after sampling", renewed by each use
+
+
+def record_stability(team: str, sequence_id: str, tokens: list[int], logprobs: list[float]) -> None:
+    _r().set(
+        f"{PREFIX}stab:{team}:{sequence_id}",
+        json.dumps({"tokens": tokens, "logprobs": logprobs}),
+        ex=STABILITY_TTL,
+    )
+
+
+def stability(team: str, sequence_id: str) -> dict[str, list] | None:
+    """What sampling recorded for a sequence of this team (None: unknown, expired or another
+    team's); reading it restarts its day."""
+    key = f"{PREFIX}stab:{team}:{sequence_id}"
+    raw = _r().get(key)
+    if raw is None:
+        return None
+    _r().expire(key, STABILITY_TTL)
+    return json.loads(raw)

@@ -22,11 +22,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from celery import shared_task
+from django.db import close_old_connections
 
 from tinker_api import futures, wire
 from workers import conf
@@ -43,12 +45,19 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 GAP_CHECK_SECONDS = 1.0
 # Snapshots kept in memory per model, and sampler checkpoints loaded from disk per worker.
 LIVE_SNAPSHOTS = 4
+# How often a worker looks for sessions that stopped heartbeating.
+REAP_SECONDS = 30.0
 LOADED_SAMPLERS = 16
 
 
 def idle_seconds() -> int:
     """A worker with nothing to do for this long gives its GPU block back."""
     return conf._int_setting("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", 600, minimum=1)
+
+
+def session_timeout() -> int:
+    """A session silent this long (the SDK heartbeats every 10 s) is over: its models go."""
+    return conf._int_setting("OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", 300, minimum=10)
 
 
 def torch_threads() -> int:
@@ -98,7 +107,52 @@ def target_modules(config: Mapping[str, Any]) -> tuple[str, ...]:
     return modules
 
 
-def _datums(batch: wire.ForwardBackwardBatch) -> list[Any]:
+def _stable_inputs(d: wire.WireDatum, i: int, team: str) -> dict[str, np.ndarray]:
+    """StableReinforce's view of a datum: ``logprobs`` replaced on sampled positions by what
+    the server recorded when it sampled them, and ``mask`` = the sampled positions (times a
+    client mask), from the datum's ``loss_fn_input_spans``."""
+    n = len(d.tokens)
+    spans = d.loss_fn_input_spans or []
+    if sum(sp.length for sp in spans) != n:
+        raise RequestError(f"data[{i}].loss_fn_input_spans: lengths must add up to {n}")
+    targets = d.loss_fn_inputs["target_tokens"]
+    advantages = d.loss_fn_inputs["advantages"]
+    logprobs = d.loss_fn_inputs["logprobs"].astype(np.float32).copy()
+    mask = np.zeros(n, dtype=np.float32)
+    pos = 0
+    for sp in spans:
+        if sp.kind == "sampled" and sp.length:
+            rec = futures.stability(team, sp.sequence_id)
+            if rec is None:
+                raise RequestError(
+                    f"data[{i}]: no stability info for sequence {sp.sequence_id!r} (unknown, "
+                    "expired or sampled without record_stability_info=True)"
+                )
+            end = sp.offset + sp.length
+            if end > len(rec["tokens"]):
+                raise RequestError(
+                    f"data[{i}]: span [{sp.offset}, {end}) of sequence {sp.sequence_id!r} "
+                    f"exceeds its {len(rec['tokens'])} sampled tokens"
+                )
+            if list(targets[pos : pos + sp.length]) != rec["tokens"][sp.offset : end]:
+                raise RequestError(
+                    f"data[{i}]: targets at positions {pos}..{pos + sp.length - 1} are not the "
+                    f"tokens sequence {sp.sequence_id!r} sampled there"
+                )
+            logprobs[pos : pos + sp.length] = rec["logprobs"][sp.offset : end]
+            mask[pos : pos + sp.length] = 1.0
+        pos += sp.length
+    if np.any((advantages != 0) & (mask == 0)):
+        raise RequestError(
+            f"data[{i}]: stable_reinforce accepts nonzero advantages only on sampled tokens "
+            "(positions its loss_fn_input_spans name as SampledProvenanceSpan)"
+        )
+    if "mask" in d.loss_fn_inputs:
+        mask = mask * d.loss_fn_inputs["mask"].astype(np.float32)
+    return {**d.loss_fn_inputs, "logprobs": logprobs, "mask": mask}
+
+
+def _datums(batch: wire.ForwardBackwardBatch, team: str = "") -> list[Any]:
     import torch
 
     from training.types import Datum
@@ -106,7 +160,10 @@ def _datums(batch: wire.ForwardBackwardBatch) -> list[Any]:
     out = []
     for i, d in enumerate(batch.data):
         inputs = {}
-        for name, arr in d.loss_fn_inputs.items():
+        raw = d.loss_fn_inputs
+        if batch.loss_fn == "stable_reinforce":
+            raw = _stable_inputs(d, i, team)
+        for name, arr in raw.items():
             if arr.ndim != 1:
                 raise RequestError(
                     f"data[{i}].loss_fn_inputs[{name!r}]: only one value per position is "
@@ -131,7 +188,10 @@ def _pad_inputs(datums: list[Any]) -> None:
     for d in datums:
         for name in names - set(d.loss_fn_inputs):
             dtype = torch.long if name == "target_tokens" else torch.float32
-            d.loss_fn_inputs[name] = torch.zeros(d.length, dtype=dtype)
+            # An absent mask means "every token counts": a batch mate's mask must not
+            # zero this datum's loss.
+            fill = torch.ones if name == "mask" else torch.zeros
+            d.loss_fn_inputs[name] = fill(d.length, dtype=dtype)
 
 
 class ModelWorker:
@@ -202,18 +262,46 @@ class ModelWorker:
         self.pending.setdefault(model, {})[op.seq] = op
 
     def _close(self, op: Op) -> None:
+        self.close_models(op.fields["models"], "has finished")
+        futures.complete(op.rid, json_body=b"{}")
+
+    def close_models(self, models: list[str], why: str) -> None:
         """The session of these models ended: drop their queued work (a seq_id gap left by
         a failed client-side custom loss ends here too) and free their weights."""
-        for model in op.fields["models"]:
+        for model in models:
             for queued in self.pending.pop(model, {}).values():
-                futures.fail(queued.rid, f"the session of {model} has finished", "user")
+                futures.fail(queued.rid, f"the session of {model} {why}", "user")
             self.waiting_since.pop(model, None)
             self.next.pop(model, None)
             policy = self.policies.pop(model, None)
             if policy is not None:
                 self.engine.remove_policy(model)
                 self.snapshots = {k: v for k, v in self.snapshots.items() if v[0] is not policy}
-        futures.complete(op.rid, json_body=b"{}")
+
+    def reap_sessions(self) -> list[str]:
+        """End the sessions of this worker's models that stopped heartbeating (their client
+        is gone) and close those models; returns the closed model ids."""
+        from django.utils import timezone
+
+        from tinker_api.models import TinkerSession, TrainingModel
+
+        held = set(self.policies) | set(self.pending)
+        if not held:
+            return []
+        close_old_connections()
+        cutoff = timezone.now() - timedelta(seconds=session_timeout())
+        rows = TrainingModel.objects.filter(pk__in=held).values_list(
+            "id", "session_id", "session__last_heartbeat", "session__finished_at"
+        )
+        silent = {sid for _m, sid, beat, done in rows if done is None and beat < cutoff}
+        TinkerSession.objects.filter(pk__in=silent, finished_at__isnull=True).update(
+            finished_at=timezone.now(),
+            finish_reason="interrupted",
+            finish_detail="no heartbeat",
+        )
+        gone = [m for m, sid, _beat, done in rows if done is not None or sid in silent]
+        self.close_models(gone, "stopped heartbeating")
+        return gone
 
     def has_runnable(self) -> bool:
         if self.samples:
@@ -335,7 +423,10 @@ class ModelWorker:
         row = self._row(model_id)
         policy = self._new_policy(model_id, row.worker_config())
         last = (
-            Checkpoint.objects.filter(model_id=model_id, kind=Checkpoint.Kind.TRAINING)
+            # Only states whose file was written (a save the dead worker never ran has none).
+            Checkpoint.objects.filter(
+                model_id=model_id, kind=Checkpoint.Kind.TRAINING, size_bytes__isnull=False
+            )
             .order_by("-created")
             .first()
         )
@@ -348,6 +439,8 @@ class ModelWorker:
     # ---------------------------------------------------------------- single requests
 
     def _run_single(self, op: Op) -> None:
+        # A worker lives for hours: never run a query on a connection the server dropped.
+        close_old_connections()
         try:
             handler: Callable[[Op], dict[str, Any]] = getattr(self, f"_op_{op.kind}")
             body = handler(op)
@@ -445,7 +538,10 @@ class ModelWorker:
                     content_type=op.fields.get("ctype"),
                     forward_only=forward_only,
                 )
-                datums = _datums(batch)
+                team = ""
+                if batch.loss_fn == "stable_reinforce":
+                    team = str((futures.get(op.rid) or {}).get("team", ""))
+                datums = _datums(batch, team)
                 policy = self._policy(op.model)
                 prepared.append((op, batch, datums, policy))
             except RequestError as exc:
@@ -656,6 +752,12 @@ class ModelWorker:
                 return
             lp_of = {id(o[0]): lp for o, lp in zip(wants, prompt_lps, strict=True)}
             for op, rows, _key, _prompt in owners:
+                if op.fields.get("record"):
+                    team = str((futures.get(op.rid) or {}).get("team", ""))
+                    for j, i in enumerate(rows):
+                        futures.record_stability(
+                            team, f"{op.rid}:{j}", list(seqs[i].tokens), list(seqs[i].logprobs)
+                        )
                 out = [
                     wire.SampledSequenceOut(
                         tokens=seqs[i].tokens,
@@ -686,7 +788,11 @@ class ModelWorker:
     def serve(self) -> str:
         """Run until idle for ``idle_seconds()`` or stopped; returns why it ended."""
         idle = idle_seconds()
+        next_reap = time.monotonic() + REAP_SECONDS
         while not self.stopping.is_set():
+            if time.monotonic() > next_reap:
+                next_reap = time.monotonic() + REAP_SECONDS
+                self.reap_sessions()
             self.read(0 if self.has_runnable() else 200)
             if self.step():
                 continue

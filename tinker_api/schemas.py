@@ -288,8 +288,6 @@ class SampleRequest(RequestModel):
             out.append("target_prompt_logprobs")
         if self.prompt_alt_tokens_k:
             out.append("prompt_alt_tokens_k")
-        if self.record_stability_info:
-            out.append("record_stability_info")
         return out
 
 

@@ -8,16 +8,15 @@ protocol id (``model_id`` + ``seq_id``, ...) answers the future of the first one
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import shutil
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -289,11 +288,16 @@ def create_model(caller: Caller, req: s.CreateModelRequest) -> tuple[str, str]:
 
 def get_info(caller: Caller, model_id: str) -> s.GetInfoResponse:
     model = get_model(caller, model_id)
-    path = str(base_model(model.base_model).resolved_path())
+    directory = base_model(model.base_model).resolved_path()
+    path = str(directory)
+    try:
+        arch = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        arch = None
     return s.GetInfoResponse(
         model_id=model.id,
         # The SDK and the cookbook load the tokenizer from here, offline: a local path.
-        model_data=s.ModelData(arch="qwen2", model_name=path, tokenizer_id=path),
+        model_data=s.ModelData(arch=arch, model_name=path, tokenizer_id=path),
         optimizer_config=s.OptimizerConfig.model_validate(model.optimizer_config or {}),
         is_lora=True,
         lora_rank=model.lora_rank,
@@ -584,6 +588,9 @@ def sample(
                 "prompt": prompt,
                 "n": req.num_samples,
                 "prompt_logprobs": bool(req.prompt_logprobs),
+                # Sequence ids are "<request_id>:<i>"; the worker records each one's tokens
+                # and logprobs for StableReinforce when asked.
+                "record": bool(req.record_stability_info),
                 "params": {
                     "max_tokens": max_tokens,
                     "temperature": sp.temperature,
@@ -650,14 +657,6 @@ def retrieve(caller: Caller, request_id: str, *, protobuf: bool) -> PollAnswer:
         if fut is None:
             reply = wire.expired(request_id)
             return PollAnswer(reply.status, reply.json(), wire.JSON)
-
-
-def completed_future(caller: Caller, body: s.ResponseModel) -> str:
-    """A future that is done at once (calls the SDK treats as futures but need no worker)."""
-    request_id = futures.new_request_id()
-    futures.create(request_id, team_id=caller.team_id, kind="done")
-    futures.complete(request_id, json_body=body.model_dump_json().encode())
-    return request_id
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -731,7 +730,3 @@ def training_run(caller: Caller, model: TrainingModel) -> s.TrainingRun:
         last_sampler_checkpoint=_checkpoint_out(last_sampler) if last_sampler else None,
         user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
     )
-
-
-def data_dir() -> Path:
-    return Path(settings.OPENTINKER_DATA_DIR)

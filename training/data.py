@@ -170,7 +170,7 @@ def _code(rng: random.Random) -> Conversation:
     """A math_code episode: code in a fenced block, the tool output, then the boxed answer."""
     a, b = rng.randint(10, 999), rng.randint(2, 99)
     op = rng.choice(("+", "-", "*"))
-    value = eval(f"{a}{op}{b}")
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
     if rng.random() < 0.5:
         code = f"print({a} {op} {b})"
     else:
@@ -254,7 +254,7 @@ def addition_chat_from(
 
 
 def tokenizer_corpus(rng: random.Random, n: int) -> list[str]:
-    """Plain text (ChatML-rendered conversations and bare snippets) to train the BPE on."""
+    """Conversation text (role names and contents) to train the BPE on."""
     train = addition_split()[0]
     texts: list[str] = []
     for i in range(n):

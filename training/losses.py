@@ -183,6 +183,45 @@ def gspo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     }
 
 
+def stable_reinforce(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
+    """REINFORCE with a truncated, stop-gradient importance weight and an optional KL anchor.
+
+    The Tinker SDK names this loss and its inputs but does not publish its formula; this is
+    ours. For each masked token: ``w = sg(min(exp(logprob - sampler_logprob), ratio_cap))``
+    and the loss is ``-sum(w * A * logprob) + kl_coeff * sum(exp(r) - 1 - r)`` with
+    ``r = logprob - sampler_logprob`` (Schulman's k3 estimate of KL(sampler || trained),
+    summed over sampled tokens). Why it stays stable off-policy: the weight never exceeds
+    ``ratio_cap`` and carries no gradient, so a stale or numerically different sampler cannot
+    blow the step up, while every token keeps its REINFORCE gradient (unlike PPO clipping,
+    which zeroes it).
+
+    ``sampler_logprob`` is ``loss_fn_inputs["logprobs"]``; the server overwrites it on sampled
+    positions with what it recorded at sampling time (``record_stability_info``).
+    The server also sets the datum's ``mask`` to the positions its provenance spans name as
+    sampled tokens, so the KL term never acts on prompt tokens (and it rejects a nonzero
+    advantage elsewhere, as the cookbook documents).
+    """
+    cfg = _config(config, "stable_reinforce", {"kl_coeff": 0.0, "ratio_cap": 2.0})
+    if cfg["kl_coeff"] < 0:
+        raise ValueError(f"stable_reinforce: kl_coeff must be >= 0, got {cfg['kl_coeff']}")
+    if cfg["ratio_cap"] < 1:
+        raise ValueError(f"stable_reinforce: ratio_cap must be >= 1, got {cfg['ratio_cap']}")
+    log_ratio, advantages, mask = _rl_common(batch, "stable_reinforce")
+    token_mask = mask
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, max=cfg["ratio_cap"])
+    pg = -(weight * advantages * batch.logprobs * token_mask).sum()
+    k3 = torch.expm1(log_ratio) - log_ratio
+    kl = (k3 * token_mask).sum()
+    loss = pg + cfg["kl_coeff"] * kl
+    return loss, {
+        "loss:sum": loss.detach(),
+        "kl_penalty:sum": kl.detach(),
+        "truncated_frac:mean": _masked_mean((ratio > cfg["ratio_cap"]).float(), token_mask),
+        **_kl_metrics(log_ratio, token_mask),
+    }
+
+
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
@@ -190,6 +229,7 @@ LOSSES: dict[str, LossFn] = {
     "cispo": cispo,
     "dro": dro,
     "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
 }
 
 

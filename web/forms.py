@@ -161,3 +161,44 @@ class DatasetForm(forms.Form):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fields["env"].choices = [c for c in env_choices() if c[0]]
+
+
+class SampleForm(forms.Form):
+    """The sample box of a finished job; bounds mirror the API's ``SampleRequestSerializer``
+    because the generation runs inside the web process."""
+
+    CHAT = "chat"
+    RAW = "raw"
+
+    prompt = forms.CharField(
+        max_length=20_000,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        help_text="e.g. What is 12+34?",
+    )
+    mode = forms.ChoiceField(
+        choices=[
+            (CHAT, "Chat: one user message, base model's chat template"),
+            (RAW, "Raw text to continue"),
+        ],
+        initial=CHAT,
+        label="Prompt as",
+        help_text="Chat replies stop at the end of the assistant's turn.",
+    )
+    max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=64, label="Max tokens")
+    temperature = forms.FloatField(
+        min_value=0.0, max_value=2.0, initial=1.0, help_text="0 decodes greedily."
+    )
+    n = forms.IntegerField(min_value=1, max_value=8, initial=1, label="Samples")
+    seed = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=2**31 - 1,
+        help_text="Optional: the same seed gives the same samples.",
+    )
+
+    def clean_prompt(self) -> str:
+        prompt: str = self.cleaned_data["prompt"]
+        if not prompt.strip():
+            raise forms.ValidationError("Enter some text to continue.")
+        return prompt

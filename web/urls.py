@@ -14,6 +14,7 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/", views.job_detail, name="job_detail"),
     path("jobs/<uuid:job_id>/metrics.json", views.job_metrics, name="job_metrics"),
     path("jobs/<uuid:job_id>/cancel/", views.job_cancel, name="job_cancel"),
+    path("jobs/<uuid:job_id>/sample/", views.job_sample, name="job_sample"),
     path("keys/", views.keys, name="keys"),
     path("keys/<int:pk>/rotate/", views.key_rotate, name="key_rotate"),
     path("keys/<int:pk>/revoke/", views.key_revoke, name="key_revoke"),

@@ -33,10 +33,28 @@ from accounts.keys import KeyRefused, issue_key, revoke_key, rotate_key
 from accounts.models import ApiKey, Membership, Team
 from jobs import datasets as dataset_store
 from jobs import services
-from jobs.models import FINAL_STATES, BaseModel, Dataset, Job, JobEvent, JobMetric, JobState
+from jobs.models import (
+    FINAL_STATES,
+    BaseModel,
+    Dataset,
+    Job,
+    JobEvent,
+    JobKind,
+    JobMetric,
+    JobState,
+)
 from jobs.spec import SpecError, check_base_model_limits, parse_spec
 
-from .forms import UPLOAD, DatasetForm, InviteForm, JobForm, KeyForm, RoleForm, YamlJobForm
+from .forms import (
+    UPLOAD,
+    DatasetForm,
+    InviteForm,
+    JobForm,
+    KeyForm,
+    RoleForm,
+    SampleForm,
+    YamlJobForm,
+)
 from .models import Invitation
 from .spec_form import SEP
 from .teams import current_team, is_owner, set_current_team, user_teams
@@ -44,6 +62,11 @@ from .teams import current_team, is_owner, set_current_team, user_teams
 # Metric names drawn first on the job page, in this order, when a job logs them.
 PREFERRED_METRICS = ("reward", "accuracy", "loss", "kl")
 MAX_CHARTS = 8
+# The runner logs its evaluations as metrics named "eval/<what>" (workers.runners.loop);
+# columns of the eval table in this order, then any other eval metric except the timing.
+EVAL_PREFIX = "eval/"
+EVAL_COLUMNS = ("accuracy", "reward", "episodes")
+EVAL_HIDDEN = {"seconds"}
 
 
 def _require_team(request: HttpRequest) -> Team:
@@ -278,6 +301,52 @@ def _artifacts(job: Job) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return cps, arts
 
 
+def _eval_results(job: Job, artifacts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's evaluations as ``{"columns": [...], "rows": [{step, values, transcript}]}``.
+
+    A training run evaluates at step 0 and every ``eval_every`` steps and leaves
+    ``eval/step-NNNNNN.jsonl`` beside each; an eval job logs once at step 0 and leaves
+    ``eval/transcripts.jsonl``. Links point only at transcripts the artifact list holds.
+    """
+    by_step: dict[int, dict[str, float]] = {}
+    seen: set[str] = set()
+    rows = JobMetric.objects.filter(job=job, name__startswith=EVAL_PREFIX).order_by("step")
+    for name, step, value in rows.values_list("name", "step", "value"):
+        short = name[len(EVAL_PREFIX) :]
+        if short in EVAL_HIDDEN:
+            continue
+        seen.add(short)
+        by_step.setdefault(step, {})[short] = value
+    columns = [c for c in EVAL_COLUMNS if c in seen] + sorted(seen - set(EVAL_COLUMNS))
+    transcripts = {a["name"]: a for a in artifacts if a.get("kind") == "eval"}
+    out = []
+    for step, values in sorted(by_step.items()):
+        name = (
+            "eval/transcripts.jsonl" if job.kind == JobKind.EVAL else f"eval/step-{step:06d}.jsonl"
+        )
+        out.append(
+            {
+                "step": step,
+                "values": [values.get(c) for c in columns],
+                "transcript": transcripts.get(name),
+            }
+        )
+    return {"columns": columns, "rows": out}
+
+
+def _sample_context(job: Job, form: SampleForm | None = None) -> dict[str, Any]:
+    """What the sample box needs; it is offered once a finished job has exported an adapter."""
+    from jobs import artifacts
+
+    has_adapter = job.state in FINAL_STATES and artifacts.adapter_dir(job.pk) is not None
+    return {
+        "can_sample": has_adapter,
+        "sample_form": form or SampleForm(),
+        "samples": None,
+        "sample_error": "",
+    }
+
+
 def _job_context(job: Job) -> dict[str, Any]:
     events = list(job.events.order_by("-created", "-id")[:30])
     checkpoints, artifacts = _artifacts(job)
@@ -291,6 +360,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "artifacts": artifacts,
         "metric_names": _metric_names(job),
+        "evals": _eval_results(job, artifacts),
         "now": timezone.now(),
     }
 
@@ -303,7 +373,66 @@ def job_detail(request: HttpRequest, job_id: Any) -> HttpResponse:
         response = render(request, "web/_job_status.html", context)
     else:
         context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
+        context.update(_sample_context(job))
         response = render(request, "web/job_detail.html", context)
+    patch_vary_headers(response, ["HX-Request"])
+    return response
+
+
+@login_required
+@require_POST
+def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
+    """Generate from a finished job's adapter with ``jobs.sampling`` (the API's service).
+
+    htmx posts get only the sample box back; a plain form post (no JavaScript) gets the whole
+    job page with the samples or the error in the box. Refusals answer 400 (bad parameters)
+    or 409 (no adapter) to plain posts; htmx swaps only 2xx answers, so it gets 200 with the
+    message in the box.
+    """
+    from jobs import sampling
+
+    job = _team_job(request, job_id)
+    form = SampleForm(request.POST)
+    box = _sample_context(job, form)
+    status = 200
+    if not box["can_sample"]:
+        box["sample_error"] = (
+            f"Job {job.name} has no adapter to sample from yet: only a finished training "
+            f"run that exported a LoRA adapter can be sampled (state {job.get_state_display()})."
+        )
+        status = 409
+    elif not form.is_valid():
+        status = 400
+    else:
+        data = form.cleaned_data
+        chat = data["mode"] == SampleForm.CHAT
+        try:
+            box["samples"] = sampling.sample_from_job(
+                job,
+                prompt=None if chat else data["prompt"],
+                messages=[{"role": "user", "content": data["prompt"]}] if chat else None,
+                max_tokens=data["max_tokens"],
+                temperature=data["temperature"],
+                n=data["n"],
+                seed=data.get("seed"),
+            )
+        except sampling.NoAdapter as exc:
+            box["sample_error"] = f"Cannot sample: {exc}."
+            status = 409
+        except sampling.BadSampleRequest as exc:
+            # The service names the chat "messages": in this form it is the prompt box.
+            field = "prompt" if exc.field in ("prompt", "messages") else None
+            form.add_error(field, exc.reason)
+            status = 400
+    if request.htmx:  # type: ignore[attr-defined]
+        response = render(request, "web/_sample.html", {"job": job, **box})
+    else:
+        context = _job_context(job)
+        context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
+        context.update(box)
+        response = render(request, "web/job_detail.html", context, status=status)
+    # Samples are one person's answer to one prompt: never from a cache.
+    response["Cache-Control"] = "no-store"
     patch_vary_headers(response, ["HX-Request"])
     return response
 

@@ -101,3 +101,32 @@ def test_it_checks_the_base_models_limits():
     assert [e["field"] for e in errors] == ["lora.rank", "rollout.max_tokens"]
     full = parse_spec({"method": "sft", **MATH, "full_finetune": True})
     assert check_base_model_limits(full, max_lora_rank=1, max_context=1024) == []
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"method": "rl", **MATH, "eval": {"checkpoint": "step-000002"}}, "eval.checkpoint"),
+        ({"method": "rl", **MATH, "eval": {"from_job": "not-a-uuid"}}, "eval.from_job"),
+        (
+            {"method": "rl", **MATH, "eval": {"checkpoint": "../x", "from_job": None}},
+            "eval.checkpoint",
+        ),
+        ({"method": "rl", **MATH, "eval": {"epochs": 1}}, "eval.epochs"),
+        ({"method": "rl", **MATH, "eval": {}, "steps": 5}, "steps"),
+        ({"method": "rl", **MATH, "eval": {}, "lora": {"rank": 4}}, "lora"),
+        ({"method": "smoke", "eval": {}}, "eval"),
+    ],
+)
+def test_it_names_the_field_of_a_bad_eval_section(data, field):
+    assert field in [e["field"] for e in errors_of(data)]
+
+
+def test_it_accepts_an_eval_section_and_round_trips_it():
+    job = "6F1C6D0E-8F9A-4A53-9D63-8B9A3D0B1C2E"
+    spec = parse_spec(
+        {"method": "rl", **MATH, "eval": {"from_job": job, "checkpoint": "step-000004"}}
+    )
+    assert spec.eval is not None and spec.eval.from_job == job.lower()
+    assert parse_spec(spec.model_dump(mode="json")) == spec
+    assert parse_spec({"method": "rl", **MATH}).eval is None

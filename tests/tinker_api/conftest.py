@@ -87,3 +87,14 @@ def tinker_base(transactional_db: None, base_model_dir: Path) -> Any:
         defaults={"path": str(base_model_dir), "max_lora_rank": 64, "max_context": 512},
     )
     return row
+
+
+@pytest.fixture
+def tinker_data_dir(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Checkpoints of this test go to a temporary directory, for the server and for the
+    worker subprocesses started after it (they inherit the environment)."""
+    path = tmp_path / "data"
+    path.mkdir()
+    settings.OPENTINKER_DATA_DIR = path
+    monkeypatch.setenv("OPENTINKER_DATA_DIR", str(path))
+    return path

@@ -204,3 +204,29 @@ def test_it_drops_the_queued_work_of_a_finished_session(base_model_dir: Path) ->
     assert failed["status"] == futures.FAILED and "finished" in failed["error"]
     assert futures.get(closed)["status"] == futures.DONE
     assert "a" not in worker.policies and "a" not in worker.engine.policies
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_closes_the_models_of_sessions_that_stopped_heartbeating(
+    base_model_dir: Path, team: Any
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tinker_api.models import TinkerSession, TrainingModel
+
+    long_ago = timezone.now() - timedelta(hours=1)
+    for session_id, beat in (("s-gone", long_ago), ("s-live", timezone.now())):
+        session = TinkerSession.objects.create(id=session_id, team=team, last_heartbeat=beat)
+        TrainingModel.objects.create(
+            id=f"{session_id}:train:0", session=session, team=team, base_model=BASE, lora_rank=4
+        )
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-reap")
+    create("s-gone:train:0", 1), create("s-live:train:0", 2)
+    drain(worker)
+    assert worker.reap_sessions() == ["s-gone:train:0"]
+    assert set(worker.policies) == {"s-live:train:0"}
+    gone = TinkerSession.objects.get(pk="s-gone")
+    assert gone.finished and gone.finish_reason == "interrupted"
+    assert not TinkerSession.objects.get(pk="s-live").finished

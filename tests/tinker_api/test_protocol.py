@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -221,6 +222,7 @@ def live(
     tinker_base: Any,
     start_worker: Callable[..., Any],
     monkeypatch: pytest.MonkeyPatch,
+    tinker_data_dir: Path,
 ) -> Iterator[tuple[str, Any]]:
     import httpx
 
@@ -367,3 +369,21 @@ def test_it_fails_the_futures_of_a_worker_that_dies_and_recovers_from_the_saved_
     )
     out = poll(http, key, sample["request_id"]).json()
     assert len(out["sequences"]) == 2 and 1 <= len(out["sequences"][0]["tokens"]) <= 3
+
+
+def test_it_applies_the_team_quota_to_new_models(
+    tinker_base: Any, owner_key: tuple[Any, str], team: Any, settings: Any
+) -> None:
+    client = Client()
+    key = owner_key[1]
+    session_id = new_session(client, key)
+    body = {"session_id": session_id, "base_model": BASE_NAME, "lora_config": {"rank": 4}}
+    settings.OPENTINKER_TINKER_MAX_MODELS_PER_TEAM = 1
+    assert api(client, key, "create_model", {**body, "model_seq_id": 0}).status_code == 200
+    second = api(client, key, "create_model", {**body, "model_seq_id": 1})
+    assert second.status_code == 403 and "limit" in second.json()["detail"]
+    settings.OPENTINKER_TINKER_MAX_MODELS_PER_TEAM = 10
+    team.quota.max_gpus = 0
+    team.quota.save()
+    refused = api(client, key, "create_model", {**body, "model_seq_id": 1})
+    assert refused.status_code == 403 and "quota" in refused.json()["detail"]

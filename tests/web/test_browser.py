@@ -191,7 +191,8 @@ def test_it_signs_up_submits_watches_cancels_and_isolates_in_a_browser(
     assert _chart_pixels(page, "eigenvalue_error") > 50
     job.refresh_from_db()
     assert job.state == JobState.SUCCEEDED
-    page.screenshot(path=str(shots / "job-detail.png"), full_page=True)
+    # job-detail.png (eval results, samples) comes from the RL job of test_browser_sample.
+    page.screenshot(path=str(shots / "job-detail-smoke.png"), full_page=True)
 
     # A long job from YAML, cancelled through the confirmation page while it runs.
     page.goto(f"{base}/jobs/new/yaml/")

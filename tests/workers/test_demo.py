@@ -1,4 +1,9 @@
-"""`manage.py demo` from an empty data directory: the README's main command, end to end."""
+"""`manage.py demo` from an empty data directory: the README's main command, end to end.
+
+The default demo (an RL job on the tiny model, minutes long) is measured in
+docs/benchmarks.md; here the smoke variant runs the same path through the HTTP API, and the
+default spec is checked against the same validation a submission gets.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
             sys.executable,
             str(ROOT / "manage.py"),
             "demo",
+            "--smoke",
             "--steps",
             "2",
             "--step-seconds",
@@ -51,3 +57,25 @@ def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
     assert "state SUCCEEDED on demonode" in out.stdout
     assert re.search(r"step 2: .*residual=", out.stdout)
     assert out.stdout.rstrip().endswith("demo job SUCCEEDED")
+
+
+def test_it_ships_a_default_demo_spec_that_validates() -> None:
+    from jobs.spec import check_base_model_limits, parse_spec
+    from workers.management.commands.demo import DEMO_DATASET, demo_rows, demo_spec
+
+    spec = parse_spec(demo_spec())
+    assert (spec.method, spec.env, spec.base_model, spec.dataset) == (
+        "rl",
+        "math",
+        "tiny",
+        DEMO_DATASET,
+    )
+    # Evaluated at step 0 and at the last step: held-out accuracy before and after.
+    assert spec.eval_every == spec.steps
+    # The tiny model's registry limits (jobs/0003): rank 64, context 1024.
+    assert check_base_model_limits(spec, max_lora_rank=64, max_context=1024) == []
+    rows = demo_rows()
+    # Enough rows for every step's prompts plus the held-out set, all distinct.
+    assert len(rows) >= spec.steps * spec.rollout.prompts_per_step + spec.eval_examples
+    assert len({r["question"] for r in rows}) == len(rows)
+    assert all(set(r) == {"question", "answer"} and r["answer"].isdigit() for r in rows)

@@ -316,6 +316,137 @@ def _advantages(spec: JobSpec, trajectories: list[Trajectory]) -> list[float | l
     return [float(a) for a in adv.tolist()]
 
 
+def evaluate_snapshot(
+    engine: Engine,
+    renderer: Renderer,
+    spec: JobSpec,
+    eval_rows: list[dict[str, Any]] | None,
+    *,
+    policy: Policy | None,
+    version: int | None,
+    out_path: Path,
+) -> dict[str, float]:
+    """Play the held-out prompts greedily with one snapshot (None: the base model).
+
+    The same builders, renderer and env code as training; `spec.eval_examples` prompts: the
+    first rows of `eval_rows` for a dataset env, seeds from EVAL_SEED_OFFSET for a generator.
+    Writes one JSON line per episode (the transcript) to `out_path` and returns the metrics.
+    """
+    env = get_env(str(spec.env))
+    n = spec.eval_examples
+    rows: list[dict[str, Any] | None]
+    if env.data_source is DataSource.DATASET:
+        rows = list((eval_rows or [])[:n])
+        if not rows:
+            raise TrainingError(f"env {env.name!r} reads a dataset, and no evaluation rows exist")
+    else:
+        rows = [None] * n
+    builders = [
+        build_group(
+            {
+                "env": env.name,
+                "config": dict(spec.env_config),
+                "row": row,
+                "seed": EVAL_SEED_OFFSET + i,
+                "group_size": 2 if env.name == "gomoku_selfplay" else 1,
+            }
+        )
+        for i, row in enumerate(rows)
+    ]
+    started = time.perf_counter()
+    groups = play_groups(
+        engine,
+        renderer,
+        builders,
+        policy=policy,
+        version=version,
+        temperature=0.0,
+        top_p=1.0,
+        max_tokens=spec.rollout.max_tokens,
+        max_turns=spec.rollout.max_turns,
+        seed_of=lambda g, e, t: 0,
+    )
+    trajectories = [t for group in groups for t in group]
+    rewards = [t.total_reward for t in trajectories]
+    correct = [c for c in (_correct(t) for t in trajectories) if c is not None]
+    metrics = {
+        "eval/reward": _mean(rewards),
+        "eval/episodes": float(len(trajectories)),
+        "eval/seconds": time.perf_counter() - started,
+    }
+    if correct:
+        metrics["eval/accuracy"] = _mean(correct)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for traj in trajectories:
+            last = traj.turns[-1] if traj.turns else None
+            fh.write(
+                json.dumps(
+                    {
+                        "reward": traj.total_reward,
+                        "error": traj.error,
+                        "turns": [
+                            {
+                                "observation": t.observation_messages,
+                                "action": t.action_text,
+                                "reward": t.reward,
+                                "metrics": t.metrics,
+                            }
+                            for t in traj.turns
+                        ],
+                        "info": last.info if last else {},
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
+    os.replace(tmp, out_path)
+    return metrics
+
+
+def run_eval(
+    ctx: LoopContext,
+    spec: JobSpec,
+    engine: Engine,
+    *,
+    eval_rows: list[dict[str, Any]] | None,
+    policy: Policy | None,
+    source: Mapping[str, Any],
+) -> dict[str, float] | None:
+    """An eval job: evaluate `policy` (None: the base model) once, training switched off.
+
+    Logs the metrics at step 0 and leaves ``eval/transcripts.jsonl`` and ``summary.json`` in
+    the workdir. Returns None when cancelled before it finished.
+    """
+    workdir = Path(ctx.workdir)
+    ctx.event(f"eval on {spec.env}: {spec.eval_examples} prompts", dict(source))
+    if ctx.cancelled():
+        return None
+    version = policy.snapshot() if policy is not None else None
+    metrics = evaluate_snapshot(
+        engine,
+        Renderer(engine.tokenizer),
+        spec,
+        eval_rows,
+        policy=policy,
+        version=version,
+        out_path=workdir / EVAL_DIR / "transcripts.jsonl",
+    )
+    if ctx.cancelled():
+        return None
+    ctx.log_metrics(0, metrics)
+    summary = {
+        "kind": "eval",
+        "env": spec.env,
+        "source": dict(source),
+        "eval": {k: v for k, v in metrics.items() if k != "eval/seconds"},
+    }
+    (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    ctx.heartbeat(0, force=True)
+    return metrics
+
+
 class TrainingLoop:
     """One job's training run on an engine: create or resume the policy, step, evaluate, export."""
 
@@ -612,79 +743,21 @@ class TrainingLoop:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy decoding on the held-out prompts (test split or fresh generator seeds)."""
-        spec = self.spec
-        n = spec.eval_examples
-        config = dict(spec.env_config)
-        if self.is_dataset_env:
-            rows: list[dict[str, Any] | None] = list(self.eval_rows[:n])
-            if not rows:
-                return {}
-        else:
-            rows = [None] * n
-        builders = [
-            build_group(
-                {
-                    "env": self.env.name,
-                    "config": config,
-                    "row": row,
-                    "seed": EVAL_SEED_OFFSET + i,
-                    "group_size": 2 if self.env.name == "gomoku_selfplay" else 1,
-                }
-            )
-            for i, row in enumerate(rows)
-        ]
+        if self.is_dataset_env and not self.eval_rows:
+            return {}
         # RL steps publish a snapshot of the weights they end with; SFT steps do not.
-        fresh = self.version is None or spec.method == "sft"
+        fresh = self.version is None or self.spec.method == "sft"
         version = self.publish() if fresh else self.version
         assert version is not None
-        started = time.perf_counter()
-        groups = play_groups(
+        metrics = evaluate_snapshot(
             self.engine,
             self.renderer,
-            builders,
+            self.spec,
+            self.eval_rows,
             policy=self.policy,
             version=version,
-            temperature=0.0,
-            top_p=1.0,
-            max_tokens=spec.rollout.max_tokens,
-            max_turns=spec.rollout.max_turns,
-            seed_of=lambda g, e, t: 0,
+            out_path=self.workdir / EVAL_DIR / f"step-{self.step:06d}.jsonl",
         )
-        trajectories = [t for group in groups for t in group]
-        rewards = [t.total_reward for t in trajectories]
-        correct = [c for c in (_correct(t) for t in trajectories) if c is not None]
-        metrics = {
-            "eval/reward": _mean(rewards),
-            "eval/episodes": float(len(trajectories)),
-            "eval/seconds": time.perf_counter() - started,
-        }
-        if correct:
-            metrics["eval/accuracy"] = _mean(correct)
-        out_dir = self.workdir / EVAL_DIR
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with (out_dir / f"step-{self.step:06d}.jsonl").open("w", encoding="utf-8") as fh:
-            for traj in trajectories:
-                last = traj.turns[-1] if traj.turns else None
-                fh.write(
-                    json.dumps(
-                        {
-                            "reward": traj.total_reward,
-                            "error": traj.error,
-                            "turns": [
-                                {
-                                    "observation": t.observation_messages,
-                                    "action": t.action_text,
-                                    "reward": t.reward,
-                                    "metrics": t.metrics,
-                                }
-                                for t in traj.turns
-                            ],
-                            "info": last.info if last else {},
-                        },
-                        default=str,
-                    )
-                    + "\n"
-                )
         self.last_eval = {k: v for k, v in metrics.items() if k != "eval/seconds"}
         return metrics
 

@@ -78,17 +78,75 @@ def _rows(spec: JobSpec) -> tuple[list[dict[str, Any]] | None, list[dict[str, An
     return split_holdout(rows, spec.eval_examples, spec.seed)
 
 
+def _eval_rows(spec: JobSpec) -> list[dict[str, Any]] | None:
+    """An eval job's prompts: by default exactly those a training run of this spec evaluates
+    on (`_rows` with evaluation on), so the numbers of both compare."""
+    from environments.datasets import load_rows
+    from jobs.datasets import resolve_dataset_ref
+
+    assert spec.eval is not None
+    if spec.dataset is None:
+        return None
+    if spec.eval.split == "all":
+        return load_rows(resolve_dataset_ref(spec.dataset), str(spec.env))
+    return _rows(spec.model_copy(update={"eval_every": 1}))[1]
+
+
+def _run_eval(ctx: JobContext, spec: JobSpec, engine: Any) -> None:
+    """Load the snapshot the spec names (or none: the base model) and evaluate it."""
+    from jobs import artifacts
+    from jobs.adapters import load_peft_adapter
+    from jobs.models import Job
+    from workers.runners.loop import run_eval
+
+    assert spec.eval is not None
+    source: dict[str, Any] = {"from_job": spec.eval.from_job, "checkpoint": spec.eval.checkpoint}
+    policy = None
+    if spec.eval.from_job is not None:
+        trained = parse_spec(Job.objects.get(pk=spec.eval.from_job).spec)
+        policy = engine.create_policy(
+            rank=trained.lora.rank,
+            alpha=trained.lora.alpha,
+            target_modules=trained.lora.target_modules,
+            seed=trained.seed,
+            policy_id=f"eval-{ctx.job_id}-{ctx.attempt}",
+        )
+    try:
+        if policy is not None and spec.eval.checkpoint is not None:
+            path = artifacts.checkpoint_file(spec.eval.from_job, spec.eval.checkpoint)
+            if path is None:
+                raise LookupError(f"checkpoint {spec.eval.checkpoint!r} is gone")
+            policy.load_state(path)
+        elif policy is not None:
+            adapter = artifacts.adapter_dir(spec.eval.from_job)
+            if adapter is None:
+                raise LookupError(f"job {spec.eval.from_job} has no final adapter")
+            load_peft_adapter(policy, adapter)
+        run_eval(ctx, spec, engine, eval_rows=_eval_rows(spec), policy=policy, source=source)
+    finally:
+        if policy is not None:
+            engine.remove_policy(policy.id)
+
+
 def run(ctx: JobContext) -> None:
-    """Run one attempt of an rl/sft job; resumes from the workdir's last checkpoint."""
+    """Run one attempt of an rl/sft job (resuming from the workdir's last checkpoint), or an
+    eval job (a spec with `eval`)."""
     from workers.runners.loop import TrainingLoop
 
     spec = parse_spec(ctx.spec)
     if spec.method not in ("rl", "sft"):
         raise ValueError(f"the native runner trains methods rl and sft, not {spec.method!r}")
+    if spec.runner == "verl":
+        from workers.runners import verl
+
+        return verl.run(ctx)
     if spec.runner != "native":
         raise ValueError(f"runner {spec.runner!r} is not available on this worker")
     device = ctx.devices[0] if ctx.devices else "cpu"
     engine = _engine(_base_model_path(spec), device)
+    if spec.eval is not None:
+        _run_eval(ctx, spec, engine)
+        return
     rows, eval_rows = _rows(spec)
     loop = TrainingLoop(
         ctx,

@@ -1,0 +1,53 @@
+"""Reading a PEFT adapter back into an engine policy (pure: no Django, no database).
+
+Eval jobs (``workers.runners.native``) and the sample endpoint (``jobs.sampling``) load the
+``adapter/`` a training job exported with ``Policy.export_peft``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from training.policy import Policy
+
+__all__ = ["AdapterMismatch", "load_peft_adapter"]
+
+
+class AdapterMismatch(ValueError):
+    """The adapter's tensors do not fit the policy it is loaded into."""
+
+
+def load_peft_adapter(policy: Policy, adapter_dir: Path) -> None:
+    """Copy an adapter written by `Policy.export_peft` into `policy`'s LoRA weights.
+
+    The policy must have been created with the adapter's rank and targets (those of the job
+    that trained it); any missing, extra or misshapen tensor is an error, not a partial load.
+    """
+    from safetensors.torch import load_file
+
+    if policy.is_full_finetune:
+        raise AdapterMismatch("a PEFT adapter loads into a LoRA policy, not a full fine-tuning one")
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    expected = {
+        f"base_model.model.{name}.lora_{part}.weight"
+        for name in policy.lora_weights
+        for part in ("A", "B")
+    }
+    if set(tensors) != expected:
+        missing = sorted(expected - set(tensors))[:3]
+        extra = sorted(set(tensors) - expected)[:3]
+        raise AdapterMismatch(f"adapter does not fit the policy: missing {missing}, extra {extra}")
+    with torch.no_grad():
+        for name, (a, b) in policy.lora_weights.items():
+            for param, part in ((a, "A"), (b, "B")):
+                value = tensors[f"base_model.model.{name}.lora_{part}.weight"]
+                if value.shape != param.shape:
+                    raise AdapterMismatch(
+                        f"{name}.lora_{part}: adapter shape {tuple(value.shape)} != "
+                        f"{tuple(param.shape)}"
+                    )
+                param.copy_(value.to(param.device, param.dtype))

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The one prepared check for a CUDA machine (docs/verl.md, "What is tested where").
+#
+#   OUT=/tmp/out scripts/gpu_check.sh
+#
+# 1. the engine's GPU tests (pytest -m gpu tests/training: the vLLM sampler among them);
+# 2. a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
+#    the same translation, parquet files, reward function and process supervision as a job,
+#    without the database), 3 steps of 8 prompts x 4 samples.
+#
+# Settings (environment):
+#   OUT          where the results go (at most 8 files): summary.txt first.
+#   PYTHON       interpreter of the project (default .venv/bin/python, else python3).
+#   VERL_PYTHON  interpreter that has verl 0.9.1 + vllm (default: $PYTHON). The job runs
+#                "$VERL_PYTHON -m verl.trainer.main_ppo" through OPENTINKER_VERL_COMMAND.
+#   MODEL_PATH   local model directory (default: Qwen2.5-0.5B-Instruct under $HF_HOME or
+#                ~/models if present, else the bundled models/tiny-chat). No network needed.
+#   VERL_STEPS   GRPO steps (default 3).  VERL_TIMEOUT  seconds for the job (default 420).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(pwd)/var/gpu_check}
+mkdir -p "$OUT"
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+VERL_PYTHON=${VERL_PYTHON:-$PYTHON}
+VERL_STEPS=${VERL_STEPS:-3}
+VERL_TIMEOUT=${VERL_TIMEOUT:-420}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DJANGO_SETTINGS_MODULE=opentinker_site.settings.test
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+if [ -z "${MODEL_PATH:-}" ]; then
+  for candidate in "${HF_HOME:-$HOME/.cache/huggingface}/Qwen2.5-0.5B-Instruct" \
+    "$HOME/models/Qwen2.5-0.5B-Instruct" /models/Qwen2.5-0.5B-Instruct models/tiny-chat; do
+    if [ -f "$candidate/config.json" ]; then MODEL_PATH=$candidate; break; fi
+  done
+fi
+MODEL_PATH=$(cd "${MODEL_PATH:-models/tiny-chat}" && pwd)
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  "$PYTHON" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1
+  "$VERL_PYTHON" - <<'EOF' 2>&1
+import importlib.metadata as md
+for name in ("verl", "vllm", "torch", "transformers", "ray"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+EOF
+  echo "model: $MODEL_PATH"
+} >"$OUT/env.txt"
+note "env: $(tr '\n' ' ' <"$OUT/env.txt" | cut -c1-400)"
+
+# --- 1. engine GPU tests (vLLM sampler included) --------------------------------------------
+start=$(date +%s)
+timeout 240 "$PYTHON" -m pytest tests/training -m gpu -q -rs -p no:cacheprovider \
+  >"$OUT/engine_gpu_tests.txt" 2>&1
+rc=$?
+note "engine gpu tests: rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/engine_gpu_tests.txt")"
+
+# --- 2. GRPO through the verl runner ---------------------------------------------------------
+if ! "$VERL_PYTHON" -c 'import verl, vllm' >/dev/null 2>&1; then
+  note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm)"
+  exit 0
+fi
+export OPENTINKER_VERL_COMMAND="$VERL_PYTHON -m verl.trainer.main_ppo"
+start=$(date +%s)
+timeout $((VERL_TIMEOUT + 60)) "$PYTHON" - "$OUT" "$MODEL_PATH" "$VERL_STEPS" "$VERL_TIMEOUT" \
+  >"$OUT/verl_job.txt" 2>&1 <<'EOF'
+import json, sys, threading, time
+from pathlib import Path
+
+from environments.datasets import load_rows, resolve
+from jobs.spec import parse_spec
+from transformers import AutoTokenizer
+from workers.runners import verl
+from workers.runners.base import JobContext
+
+out, model, steps, limit = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+metrics_file = (out / "verl_metrics.jsonl").open("w")
+
+
+class PrintingContext(JobContext):
+    """Job-row writes go to stdout and a JSONL file: no database on this machine."""
+
+    def heartbeat(self, step=None, *, force=False):
+        pass
+
+    def log_metrics(self, step, metrics):
+        metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics_file.flush()
+        keys = ("reward/mean", "loss", "kl", "entropy", "step_time_s", "eval/reward")
+        print(f"[metrics] step {step}: " + ", ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics), flush=True)
+
+    def event(self, message, data=None):
+        print(f"[event] {message}", flush=True)
+
+
+spec = parse_spec({
+    "method": "rl", "env": "math", "dataset": "builtin:arith_train", "runner": "verl",
+    "steps": steps, "checkpoint_every": steps, "eval_every": steps, "eval_examples": 32,
+    "rollout": {"group_size": 4, "prompts_per_step": 8, "max_tokens": 64, "temperature": 1.0},
+    "lora": {"rank": 16, "alpha": 32.0}, "optimizer": {"lr": 1e-5},
+})
+deadline = time.monotonic() + limit
+ctx = PrintingContext(job_id="gpu-check", attempt=1, spec=spec.model_dump(mode="json"),
+                      devices=["cuda:0"], gpus=[0], workdir=out / "work",
+                      cancel_check=lambda _job: time.monotonic() > deadline)
+rows = load_rows(resolve("builtin:arith_train"), "math")
+eval_rows = load_rows(resolve("builtin:arith_test"), "math")
+argv = verl.prepare(ctx, spec, model_path=model, rows=rows, eval_rows=eval_rows,
+                    tokenizer=AutoTokenizer.from_pretrained(str(model)))
+# Sized for one GPU shared by trainer and vLLM; keys the runner leaves at verl's defaults.
+argv += ["actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+         "actor_rollout_ref.rollout.enforce_eager=true"]
+print("argv:", " ".join(argv), flush=True)
+started = time.monotonic()
+root = ctx.workdir / "verl"
+result = verl.supervise(ctx, argv, env=verl.trainer_env(ctx), cwd=root,
+                        checkpoint_dir=root / "checkpoints", log_path=root / "trainer.log",
+                        env_name="math")
+print(f"[result] rc={result.returncode} stopped={result.stopped} last_step={result.last_step} "
+      f"checkpoints={result.checkpoints} seconds={time.monotonic() - started:.0f}", flush=True)
+print("--- trainer tail ---\n" + "\n".join(result.tail), flush=True)
+ok = result.returncode == 0 and result.last_step == steps and result.checkpoints
+sys.exit(0 if ok else 1)
+EOF
+rc=$?
+note "verl job: rc=$rc in $(( $(date +%s) - start ))s: $(grep '^\[result\]' "$OUT/verl_job.txt" | tail -n 1)"
+grep '^\[metrics\]' "$OUT/verl_job.txt" | tee -a "$SUMMARY"
+tail -c 200000 "$OUT/work/verl/trainer.log" >"$OUT/verl_trainer_tail.log" 2>/dev/null || true
+rm -rf "$OUT/work"

@@ -1,0 +1,233 @@
+"""The job page's eval results and sample box, against a real finished RL job.
+
+One short RL job on the tiny model runs on a real Celery worker (steps 0-2 evaluated, a PEFT
+adapter exported); the page must show its eval metrics per step with links to the transcripts
+the runner wrote, and the sample box must generate through ``jobs.sampling`` exactly what the
+REST API's sample endpoint generates, with htmx (fragment) and without JavaScript (full page,
+CSRF enforced), refuse bad parameters beside the fields, and hide the job from other teams.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+from rest_framework.test import APIClient
+
+from accounts.models import Team
+from jobs.models import JobMetric, JobState
+from tests.e2e.conftest import (  # noqa: F401  (fixtures)
+    addition_dataset,
+    shared_data_dir,
+    tiny_model_dir,
+    trainer,
+)
+from tests.e2e.test_managed_training import finished, rl_spec, submit
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def _samples(html: str) -> list[str]:
+    """The generated texts, as the page shows them (HTML-escaped)."""
+    return re.findall(r'<pre class="mono sample-text">(.*?)</pre>', html, flags=re.DOTALL)
+
+
+def _escape(text: str) -> str:
+    from django.utils.html import escape
+
+    return str(escape(text))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.django_db(transaction=True)
+def test_it_shows_eval_results_and_samples_from_a_finished_rl_job(
+    trainer: Any,  # noqa: F811
+    addition_dataset: str,  # noqa: F811
+    owner_client: APIClient,
+    login: Callable[[Any], Client],
+    owner: Any,
+    outsider: Any,
+    other_team: Team,
+) -> None:
+    worker = trainer()
+    spec = rl_spec(
+        addition_dataset,
+        steps=2,
+        eval_every=1,
+        eval_examples=4,
+        checkpoint_every=2,
+        rollout={"group_size": 2, "prompts_per_step": 2, "max_tokens": 16},
+    )
+    job_id = submit(owner_client, spec, name="web-evals")
+    job = finished(job_id, 110)
+    assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
+
+    client = login(owner)
+    url = reverse("web:job_detail", args=[job_id])
+    page = client.get(url)
+    assert page.status_code == 200
+    html = page.content.decode()
+
+    # Eval table: one row per evaluated step with the logged values and its transcript.
+    evals = page.context["evals"]
+    assert evals["columns"][:3] == ["accuracy", "reward", "episodes"]
+    assert "seconds" not in evals["columns"]
+    assert [r["step"] for r in evals["rows"]] == [0, 1, 2]
+    rows = JobMetric.objects.filter(job_id=job_id, name__startswith="eval/")
+    logged = {(m.step, m.name): m.value for m in rows}
+    for row in evals["rows"]:
+        for column, value in zip(evals["columns"], row["values"], strict=True):
+            assert value == logged[(row["step"], f"eval/{column}")]
+        name = f"eval/step-{row['step']:06d}.jsonl"
+        assert row["transcript"]["name"] == name
+        assert f'href="/api/v1/jobs/{job_id}/artifacts/{name}"' in html
+    acc = logged[(2, "eval/accuracy")]
+    assert f"{acc:.3f}" in html
+    # The link downloads with the browser's session: 4 episodes, as evaluated.
+    download = client.get(f"/api/v1/jobs/{job_id}/artifacts/eval/step-000002.jsonl")
+    assert download.status_code == 200
+    lines = b"".join(download.streaming_content).splitlines()
+    assert len(lines) == logged[(2, "eval/episodes")] == 4
+    assert all("reward" in json.loads(line) for line in lines)
+
+    # The sample box is offered; htmx gets the box back, as the API would answer.
+    assert page.context["can_sample"] and 'id="sample-box"' in html
+    sample_url = reverse("web:job_sample", args=[job_id])
+    params = {
+        "prompt": "12+34=",
+        "mode": "raw",
+        "max_tokens": "8",
+        "temperature": "1.0",
+        "n": "3",
+        "seed": "7",
+    }
+    fragment = client.post(sample_url, params, **HTMX)
+    assert fragment.status_code == 200
+    body = fragment.content.decode()
+    assert body.lstrip().startswith('<section id="sample-box"') and "<html" not in body
+    api = owner_client.post(
+        f"/api/v1/jobs/{job_id}/sample",
+        {"prompt": "12+34=", "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7},
+        format="json",
+    )
+    assert api.status_code == 200, api.content
+    expected = [_escape(s["text"]) for s in api.json()["samples"]]
+    assert _samples(body) == expected and len(expected) == 3
+    assert "3 samples" in body
+
+    # Without JavaScript: a plain form post with the page's CSRF token gets the whole page.
+    # Chat mode sends the prompt as one user message, as the API's `messages` does.
+    chat = {"prompt": "What is 76+24?", "mode": "chat", "max_tokens": "16", "temperature": "0"}
+    chat |= {"n": "2"}
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(owner)
+    assert strict.post(sample_url, chat).status_code == 403
+    page_html = strict.get(url).content.decode()
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page_html)
+    assert token
+    full = strict.post(sample_url, chat | {"csrfmiddlewaretoken": token.group(1)})
+    assert full.status_code == 200
+    full_html = full.content.decode()
+    assert "<html" in full_html and 'id="eval-results"' in full_html
+    api_chat = owner_client.post(
+        f"/api/v1/jobs/{job_id}/sample",
+        {
+            "messages": [{"role": "user", "content": "What is 76+24?"}],
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "n": 2,
+        },
+        format="json",
+    ).json()["samples"]
+    assert _samples(full_html) == [_escape(s["text"]) for s in api_chat]
+
+    # Bad parameters come back beside their fields, with nothing generated.
+    bad = client.post(sample_url, params | {"n": "9"})
+    assert bad.status_code == 400
+    assert "n" in bad.context["sample_form"].errors and _samples(bad.content.decode()) == []
+    too_long = client.post(sample_url, chat | {"prompt": "1" * 5000, "max_tokens": "256"})
+    assert too_long.status_code == 400
+    assert "exceed the context" in too_long.context["sample_form"].errors["prompt"][0]
+    assert 'id="id_prompt_errors"' in too_long.content.decode()
+    in_box = client.post(sample_url, params | {"temperature": "-1"}, **HTMX)
+    assert in_box.status_code == 200 and 'id="id_temperature_errors"' in in_box.content.decode()
+
+    # Another team's member cannot see the page nor sample from the adapter.
+    outsider_web = login(outsider)
+    assert outsider_web.get(url).status_code == 404
+    assert outsider_web.post(sample_url, params).status_code == 404
+    assert outsider_web.post(sample_url, params, **HTMX).status_code == 404
+
+
+@pytest.mark.django_db
+def test_it_says_clearly_when_a_job_has_no_adapter_to_sample(
+    login: Callable[[Any], Client],
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    outsider: Any,
+    other_team: Team,
+) -> None:
+    job = submit(team, owner, name="queued-smoke")
+    client = login(owner)
+    page = client.get(reverse("web:job_detail", args=[job.pk]))
+    assert not page.context["can_sample"]
+    html = page.content.decode()
+    assert "Sampling opens when the job has finished" in html
+    assert 'name="prompt"' not in html
+    assert "No evaluations yet" in html
+
+    sample_url = reverse("web:job_sample", args=[job.pk])
+    params = {"prompt": "1+1=", "max_tokens": "4", "temperature": "0", "n": "1"}
+    refused = client.post(sample_url, params)
+    assert refused.status_code == 409
+    assert "has no adapter to sample from yet" in refused.content.decode()
+    boxed = client.post(sample_url, params, HTTP_HX_REQUEST="true")
+    assert boxed.status_code == 200 and 'id="sample-error"' in boxed.content.decode()
+    assert client.get(sample_url).status_code == 405
+    assert login(outsider).post(sample_url, params).status_code == 404
+
+
+@pytest.mark.django_db
+def test_it_links_an_eval_jobs_transcript_and_skips_missing_ones(
+    login: Callable[[Any], Client],
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+) -> None:
+    from jobs import artifacts
+    from jobs.models import Job, JobKind
+
+    # An eval job logs once at step 0 and leaves eval/transcripts.jsonl (workers.runners.loop).
+    job = submit(team, owner, name="an-eval")
+    Job.objects.filter(pk=job.pk).update(kind=JobKind.EVAL, state=JobState.SUCCEEDED)
+    for name, value in (("eval/reward", 0.25), ("eval/seconds", 3.0), ("eval/accuracy", 0.5)):
+        JobMetric.objects.create(job=job, step=0, name=name, value=value)
+    (artifacts.workdir(job.pk) / "eval").mkdir(parents=True)
+    (artifacts.workdir(job.pk) / "eval" / "transcripts.jsonl").write_text('{"reward": 1}\n')
+    # A training run whose step-4 transcript is gone still shows its numbers, without a link.
+    train = submit(team, owner, name="a-train")
+    JobMetric.objects.create(job=train, step=4, name="eval/reward", value=0.75)
+    (artifacts.workdir(train.pk) / "eval").mkdir(parents=True)
+    (artifacts.workdir(train.pk) / "eval" / "step-000002.jsonl").write_text('{"reward": 1}\n')
+
+    client = login(owner)
+    page = client.get(reverse("web:job_detail", args=[job.pk]))
+    evals = page.context["evals"]
+    assert evals["columns"] == ["accuracy", "reward"]
+    assert [(r["step"], r["values"]) for r in evals["rows"]] == [(0, [0.5, 0.25])]
+    assert evals["rows"][0]["transcript"]["name"] == "eval/transcripts.jsonl"
+    html = page.content.decode()
+    assert f'href="/api/v1/jobs/{job.pk}/artifacts/eval/transcripts.jsonl"' in html
+    # A finished eval job trains nothing: no sample form, and it says why.
+    assert "left no LoRA adapter to sample from" in html and 'name="prompt"' not in html
+
+    rows = client.get(reverse("web:job_detail", args=[train.pk])).context["evals"]["rows"]
+    assert [(r["step"], r["values"], r["transcript"]) for r in rows] == [(4, [0.75], None)]

@@ -1,0 +1,259 @@
+"""The verl runner's subprocess handling, against a stand-in trainer script (no verl, no GPU).
+
+The stand-in (``fake_verl_trainer.py``) is a real process that reads the overrides the runner
+built, prints verl-format metric lines behind Ray's prefix, saves ``global_step_N``
+directories and starts a child process. These tests check our side: metric parsing, the
+checkpoint index, heartbeats and that a cancel ends the whole process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from environments.datasets import load_rows, resolve
+from jobs.spec import parse_spec
+from workers.runners import verl
+from workers.runners.base import JobContext
+
+FAKE_TRAINER = Path(__file__).with_name("fake_verl_trainer.py")
+
+
+@dataclass
+class RecordingContext(JobContext):
+    """A JobContext whose job-row writes land in lists instead of the database."""
+
+    metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    heartbeats: list[int | None] = field(default_factory=list)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def heartbeat(self, step: int | None = None, *, force: bool = False) -> None:
+        self.heartbeats.append(step)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+    def event(self, message: str, data: Mapping[str, Any] | None = None) -> None:
+        self.events.append((message, dict(data or {})))
+
+
+def _spec(**over: Any) -> Any:
+    base = {
+        "method": "rl",
+        "env": "math",
+        "dataset": "builtin:arith_train",
+        "runner": "verl",
+        "steps": 5,
+        "checkpoint_every": 2,
+        "rollout": {"prompts_per_step": 4, "group_size": 2},
+    }
+    return parse_spec({**base, **over})
+
+
+def _ctx(tmp_path: Path, spec: Any, cancel: Any = None) -> RecordingContext:
+    return RecordingContext(
+        job_id="7",
+        attempt=1,
+        spec=spec.model_dump(mode="json"),
+        devices=["cuda:0"],
+        gpus=[0],
+        workdir=tmp_path / "job",
+        cancel_check=cancel,
+    )
+
+
+def _argv(ctx: RecordingContext, spec: Any) -> list[str]:
+    rows = load_rows(resolve("builtin:arith_train"), "math")[:40]
+    argv = verl.prepare(ctx, spec, model_path=Path("/models/none"), rows=rows, eval_rows=rows[:4])
+    # Replace verl's entry point, keep every override.
+    entry = len(verl.entry_command())
+    return [sys.executable, str(FAKE_TRAINER), *argv[entry:]]
+
+
+def _supervise(ctx: RecordingContext, argv: list[str], **env: str) -> verl.TrainerResult:
+    root = ctx.workdir / "verl"
+    return verl.supervise(
+        ctx,
+        argv,
+        env={**os.environ, **env},
+        cwd=root,
+        checkpoint_dir=root / "checkpoints",
+        log_path=root / "trainer.log",
+        env_name="math",
+        term_grace_s=1.0,
+        poll_s=0.05,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0): read its state.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_it_streams_metrics_heartbeats_and_checkpoints(tmp_path: Path) -> None:
+    spec = _spec()
+    ctx = _ctx(tmp_path, spec)
+    result = _supervise(ctx, _argv(ctx, spec))
+
+    assert result.returncode == 0 and not result.stopped
+    assert [step for step, _ in ctx.metrics] == [1, 2, 3, 4, 5]
+    step3 = dict(ctx.metrics)[3]
+    assert step3["critic/score/mean"] == pytest.approx(0.3)
+    assert step3["reward/mean"] == pytest.approx(0.3)  # the native runner's name
+    assert step3["loss"] == pytest.approx(-0.03)
+    assert "actor/entropy" not in step3  # nan is dropped, not stored
+    assert 5 in ctx.heartbeats
+    # checkpoint_every=2 over 5 steps: 2, 4 and the last step.
+    assert result.checkpoints == [2, 4, 5]
+    index = ctx.workdir / "checkpoints" / "checkpoints.jsonl"
+    records = [json.loads(line) for line in index.read_text().splitlines()]
+    assert [r["name"] for r in records] == ["global_step_2", "global_step_4", "global_step_5"]
+    assert all(r["extra"]["runner"] == "verl" and r["extra"]["attempt"] == 1 for r in records)
+    assert Path(records[-1]["extra"]["path"]).is_dir()
+    assert [m for m, _ in ctx.events if "checkpoint" in m] == [
+        f"verl saved checkpoint global_step_{s}" for s in (2, 4, 5)
+    ]
+    log = (ctx.workdir / "verl" / "trainer.log").read_text()
+    assert "Started a local Ray instance." in log and "step:5 - " in log
+
+
+def test_it_does_not_register_a_checkpoint_twice_after_a_requeue(tmp_path: Path) -> None:
+    spec = _spec(steps=3, checkpoint_every=1)
+    first = _ctx(tmp_path, spec)
+    argv = _argv(first, spec)
+    assert _supervise(first, argv, FAKE_VERL_MODE="fail").returncode == 3
+    assert first.metrics and first.metrics[0][0] == 1
+
+    second = _ctx(tmp_path, spec)
+    second.attempt = 2
+    result = _supervise(second, argv)
+    # The trainer resumed after step 1 (verl's own resume); only new saves are registered.
+    assert result.returncode == 0
+    assert [step for step, _ in second.metrics] == [2, 3]
+    assert result.checkpoints == [2, 3]
+    index = second.workdir / "checkpoints" / "checkpoints.jsonl"
+    names = [json.loads(line)["name"] for line in index.read_text().splitlines()]
+    assert names == ["global_step_1", "global_step_2", "global_step_3"]
+
+
+def test_it_reports_a_failing_trainer_with_its_last_lines(tmp_path: Path) -> None:
+    spec = _spec()
+    ctx = _ctx(tmp_path, spec)
+    result = _supervise(ctx, _argv(ctx, spec), FAKE_VERL_MODE="fail")
+    assert result.returncode == 3 and not result.stopped
+    assert result.tail[-1] == "RuntimeError: CUDA out of memory"
+
+
+def test_it_kills_the_whole_process_tree_on_cancel(tmp_path: Path) -> None:
+    spec = _spec()
+    pids = tmp_path / "pids"
+    cancel = {"now": False}
+    ctx = _ctx(tmp_path, spec, cancel=lambda _job: cancel["now"])
+
+    real_log = ctx.log_metrics
+
+    def log_then_cancel(step: int, metrics: Mapping[str, float]) -> None:
+        real_log(step, metrics)
+        cancel["now"] = True  # as if the user cancelled once the first step was in
+
+    ctx.log_metrics = log_then_cancel  # type: ignore[method-assign]
+    started = time.monotonic()
+    result = _supervise(ctx, _argv(ctx, spec), FAKE_VERL_MODE="hang", FAKE_VERL_PIDS=str(pids))
+    elapsed = time.monotonic() - started
+
+    assert result.stopped and result.returncode is None
+    assert [step for step, _ in ctx.metrics] == [1]
+    leader, child = (int(p) for p in pids.read_text().split())
+    # Both ignore SIGTERM: the group's SIGKILL after the grace period ends them.
+    deadline = time.monotonic() + 5
+    while (_alive(leader) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(leader) and not _alive(child)
+    assert elapsed < 15
+
+
+def test_it_refuses_a_block_without_gpus(tmp_path: Path) -> None:
+    spec = _spec()
+    ctx = _ctx(tmp_path, spec)
+    ctx.devices, ctx.gpus = ["cpu"], []
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        verl.run(ctx)
+    # The worker's runner for method 'rl' hands runner 'verl' specs over.
+    from workers.runners import get_runner
+
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        get_runner("rl")(ctx)
+
+
+def test_it_passes_the_block_as_cuda_visible_devices(tmp_path: Path) -> None:
+    spec = _spec()
+    ctx = _ctx(tmp_path, spec)
+    ctx.gpus = [2, 5]
+    env = verl.trainer_env(ctx)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,5"
+    assert str(verl.REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    ctx.gpus = []
+    ctx.devices = ["cuda:3"]
+    assert verl.cuda_visible_devices(ctx) == "3"
+
+
+def test_it_takes_the_entry_command_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(verl.ENTRY_ENV, "/opt/verl/bin/python -m verl.trainer.main_ppo")
+    assert verl.entry_command() == ["/opt/verl/bin/python", "-m", "verl.trainer.main_ppo"]
+    monkeypatch.delenv(verl.ENTRY_ENV)
+    assert verl.entry_command()[1:] == ["-m", "verl.trainer.main_ppo"]
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (
+            (
+                "(TaskRunner pid=812) step:12 - actor/pg_loss:np.float64(-0.25) - "
+                "critic/score/mean:0.5 - val-core/math/reward/mean@1:0.75\n"
+            ),
+            (
+                12,
+                {
+                    "actor/pg_loss": -0.25,
+                    "critic/score/mean": 0.5,
+                    "val-core/math/reward/mean@1": 0.75,
+                },
+            ),
+        ),
+        (
+            "step:0 - timing_s/gen:1e-03 - perf/max_memory_allocated_gb:inf",
+            (0, {"timing_s/gen": 0.001}),
+        ),
+        ("step:3 - training/epoch:np.int64(2)", (3, {"training/epoch": 2.0})),
+        ("local_global_step_folder: /x/global_step_3", None),
+        ("(WorkerDict pid=9) INFO step: not a metric line", None),
+    ],
+)
+def test_it_parses_verl_console_metric_lines(line: str, expected: Any) -> None:
+    assert verl.parse_metric_line(line) == expected
+
+
+def test_it_adds_the_native_runner_metric_names() -> None:
+    out = verl.with_aliases(
+        {"critic/score/mean": 0.5, "actor/ppo_kl": 0.01, "val-core/math/reward/mean@1": 0.7},
+        "math",
+    )
+    assert out["reward/mean"] == 0.5 and out["kl"] == 0.01 and out["eval/reward"] == 0.7
+    assert out["critic/score/mean"] == 0.5

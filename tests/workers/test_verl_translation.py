@@ -1,0 +1,213 @@
+"""JobSpec -> verl: the Hydra overrides, the parquet files and the reward function (no verl)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from environments.datasets import load_rows, resolve
+from jobs.spec import SpecError, parse_spec
+from workers.runners import verl
+from workers.runners.verl_agent_loop import AGENT_NAME, CLASS_PATH
+from workers.runners.verl_reward import compute_score
+
+A = "actor_rollout_ref"
+
+
+def _spec(**over: Any) -> Any:
+    base = {"method": "rl", "env": "math", "dataset": "builtin:arith_train", "runner": "verl"}
+    return parse_spec({**base, **over})
+
+
+def _rows(n: int = 40) -> list[dict[str, Any]]:
+    return load_rows(resolve("builtin:arith_train"), "math")[:n]
+
+
+def _overrides(spec: Any, tmp_path: Path, **kw: Any) -> dict[str, str]:
+    rows = None if spec.dataset is None else _rows()
+    data = verl.write_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
+    argv = verl.build_overrides(
+        spec,
+        model_path="/models/qwen",
+        data=data,
+        checkpoint_dir=tmp_path / "ckpt",
+        n_gpus=kw.pop("n_gpus", 2),
+        experiment="job-9",
+        **kw,
+    )
+    out = dict(a.split("=", 1) for a in argv)
+    assert len(out) == len(argv), "an override is given twice"
+    return out
+
+
+def test_it_maps_a_grpo_lora_job(tmp_path: Path) -> None:
+    spec = _spec(
+        steps=12,
+        eval_every=4,
+        checkpoint_every=5,
+        seed=3,
+        algorithm={"advantage": "grpo", "normalize_std": True, "kl_coef": 0.05},
+        rollout={"group_size": 8, "prompts_per_step": 4, "temperature": 0.7, "top_p": 0.9},
+        lora={"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
+        optimizer={"lr": 2e-5, "betas": [0.9, 0.99], "grad_clip": None},
+    )
+    o = _overrides(spec, tmp_path)
+    assert o["algorithm.adv_estimator"] == "grpo"
+    assert o["algorithm.norm_adv_by_std_in_grpo"] == "true"
+    assert o[f"{A}.actor.policy_loss.loss_mode"] == "vanilla"
+    assert o[f"{A}.actor.use_kl_loss"] == "true" and o[f"{A}.actor.kl_loss_coef"] == "0.05"
+    assert o[f"{A}.model.lora_rank"] == "8" and o[f"{A}.model.lora_alpha"] == "16"
+    assert o[f"{A}.model.target_modules"] == "[q_proj,v_proj]"
+    assert o[f"{A}.rollout.load_format"] == "safetensors"
+    assert o[f"{A}.rollout.name"] == "vllm" and o[f"{A}.rollout.mode"] == "async"
+    assert o[f"{A}.rollout.n"] == "8"
+    assert o[f"{A}.rollout.temperature"] == "0.7" and o[f"{A}.rollout.top_p"] == "0.9"
+    assert o["data.max_response_length"] == "64"
+    assert o["data.train_batch_size"] == "4" and o[f"{A}.actor.ppo_mini_batch_size"] == "4"
+    assert o[f"{A}.actor.optim.lr"] == "2e-05"
+    assert o[f"{A}.actor.optim.betas"] == "[0.9,0.99]"
+    assert float(o[f"{A}.actor.grad_clip"]) >= 1e9
+    assert o["trainer.n_gpus_per_node"] == "2"
+    assert o["trainer.total_training_steps"] == "12"
+    # 40 rows / 4 per step = 10 steps per epoch: 12 steps need 2 epochs.
+    assert o["trainer.total_epochs"] == "2"
+    assert o["trainer.save_freq"] == "5" and o["trainer.test_freq"] == "4"
+    assert o["trainer.val_before_train"] == "true"
+    assert o["trainer.default_local_dir"] == str(tmp_path / "ckpt")
+    assert o["trainer.logger"] == "[console]"
+    assert o["reward.custom_reward_function.path"] == str(verl.REWARD_FILE)
+    assert o["reward.custom_reward_function.name"] == "compute_score"
+    assert o["data.seed"] == "3"
+    assert o[f"{A}.rollout.multi_turn.enable"] == "false"
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "mode", "extra"),
+    [
+        ({"loss": "ppo", "clip_low": 0.7, "clip_high": 1.3}, "vanilla", {"low": 0.3, "high": 0.3}),
+        ({"loss": "cispo", "clip_high": 2.0}, "cispo", {"low": 0.2, "high": 1.0}),
+        ({"loss": "dro", "dro_beta": 0.2}, "dro", {"beta": 0.2}),
+        ({"advantage": "rloo"}, "vanilla", {}),
+    ],
+)
+def test_it_maps_each_policy_loss(
+    tmp_path: Path, algorithm: dict[str, Any], mode: str, extra: dict[str, float]
+) -> None:
+    o = _overrides(_spec(algorithm=algorithm), tmp_path)
+    assert o[f"{A}.actor.policy_loss.loss_mode"] == mode
+    assert o["algorithm.adv_estimator"] == algorithm.get("advantage", "grpo")
+    if "low" in extra:
+        # verl's ratios are distances from 1.
+        assert float(o[f"{A}.actor.clip_ratio_low"]) == pytest.approx(extra["low"])
+        assert float(o[f"{A}.actor.clip_ratio_high"]) == pytest.approx(extra["high"])
+    else:
+        assert f"{A}.actor.clip_ratio_low" not in o
+    if "beta" in extra:
+        assert float(o[f"{A}.actor.policy_loss.dro_beta"]) == extra["beta"]
+
+
+def test_it_maps_full_finetuning_without_lora(tmp_path: Path) -> None:
+    o = _overrides(_spec(full_finetune=True), tmp_path)
+    assert o[f"{A}.model.lora_rank"] == "0"
+    assert f"{A}.model.lora_alpha" not in o and f"{A}.rollout.load_format" not in o
+
+
+def test_it_routes_multi_turn_envs_through_the_agent_loop(tmp_path: Path) -> None:
+    spec = parse_spec(
+        {
+            "method": "rl",
+            "env": "gomoku",
+            "runner": "verl",
+            "steps": 3,
+            "algorithm": {"advantage": "grpo_per_step"},
+            "rollout": {"max_turns": 6, "max_tokens": 16, "prompts_per_step": 2},
+        }
+    )
+    cfg = tmp_path / "loops.yaml"
+    with pytest.raises(ValueError, match="agent loop"):
+        _overrides(spec, tmp_path)
+    o = _overrides(spec, tmp_path, agent_loop_config=cfg)
+    assert o["algorithm.adv_estimator"] == "grpo"
+    assert o[f"{A}.rollout.multi_turn.enable"] == "true"
+    assert o[f"{A}.rollout.multi_turn.max_assistant_turns"] == "6"
+    assert o[f"{A}.rollout.agent.default_agent_loop"] == AGENT_NAME
+    assert o[f"{A}.rollout.agent.agent_loop_config_path"] == str(cfg)
+    # 6 actions of 16 tokens and the 5 observations between them.
+    assert o["data.max_response_length"] == str(6 * 16 + 5 * verl.OBSERVATION_TOKENS_PER_TURN)
+    table = pq.read_table(tmp_path / "data" / "train.parquet").to_pylist()
+    # A generator env: one row (episode seed) per prompt of every step.
+    assert len(table) == 3 * 2
+    assert {r["agent_name"] for r in table} == {AGENT_NAME}
+    assert len({r["extra_info"]["group_spec"] for r in table}) == len(table)
+
+
+def test_it_writes_the_agent_loop_config_that_names_the_class(tmp_path: Path) -> None:
+    import yaml
+
+    path = verl._write_agent_loop_config(tmp_path / "loops.yaml")
+    assert yaml.safe_load(path.read_text()) == [{"name": AGENT_NAME, "_target_": CLASS_PATH}]
+
+
+def test_it_writes_parquet_in_verls_schema_and_grades_with_the_env(tmp_path: Path) -> None:
+    spec = _spec(eval_examples=5)
+    rows = _rows(20)
+    data = verl.write_datasets(spec, tmp_path, rows=rows, eval_rows=rows[:3])
+    train = pq.read_table(data.train).to_pylist()
+    val = pq.read_table(data.val).to_pylist()
+    assert (data.train_rows, data.val_rows) == (20, 3) and len(train) == 20 and len(val) == 3
+    assert set(train[0]) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    assert sorted(r["prompt"][-1]["content"] for r in train) == sorted(r["question"] for r in rows)
+    row = train[0]
+    assert row["data_source"] == "math" and row["prompt"][0]["role"] == "user"
+    truth = row["reward_model"]["ground_truth"]
+    args = (row["data_source"], row["reward_model"]["ground_truth"])
+    assert compute_score(args[0], f"so \\boxed{{{truth}}}", args[1], row["extra_info"]) == 1.0
+    assert compute_score(args[0], "\\boxed{-1.5}", args[1], row["extra_info"]) == 0.0
+    # Rows from elsewhere (no group spec) are graded against ground_truth directly.
+    assert compute_score("gsm8k", "it is \\boxed{0.5}", "1/2") == 1.0
+
+
+def test_it_counts_prompt_tokens_with_the_chat_template(tmp_path: Path) -> None:
+    from environments.renderer import Renderer
+    from tests.environments.conftest import build_chatml_tokenizer
+
+    tok = build_chatml_tokenizer()
+    spec = _spec()
+    rows = _rows(10)
+    data = verl.write_datasets(spec, tmp_path, rows=rows, eval_rows=None, tokenizer=tok)
+    renderer = Renderer(tok)
+    # The native runner's renderer, an independent count of the same rendered prompts.
+    longest = max(
+        len(renderer.prompt_tokens([{"role": "user", "content": r["question"]}])) for r in rows
+    )
+    assert data.max_prompt_tokens == longest
+
+
+def test_it_refuses_what_verl_cannot_run_at_submission() -> None:
+    with pytest.raises(SpecError) as bad:
+        _spec(algorithm={"advantage": "baseline"})
+    assert bad.value.errors[0]["field"] == "algorithm.advantage"
+    with pytest.raises(SpecError) as selfplay:
+        parse_spec({"method": "rl", "env": "gomoku_selfplay", "runner": "verl"})
+    assert selfplay.value.errors[0]["field"] == "runner"
+    with pytest.raises(SpecError):
+        parse_spec(
+            {"method": "sft", "env": "math", "dataset": "builtin:arith_train", "runner": "verl"}
+        )
+
+
+def test_it_refuses_runs_that_cannot_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one GPU"):
+        _overrides(_spec(), tmp_path, n_gpus=0)
+    with pytest.raises(ValueError, match="do not fill one step"):
+        _overrides(_spec(rollout={"prompts_per_step": 64}), tmp_path)
+
+
+def test_it_quotes_values_hydra_would_misread() -> None:
+    assert verl._value("/data/run 1/train.parquet") == "'/data/run 1/train.parquet'"
+    assert verl._value("it's") == "'it\\'s'"
+    assert verl._value(["a", 1, True]) == "[a,1,true]"
+    assert verl._value(None) == "null"
