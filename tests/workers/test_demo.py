@@ -62,6 +62,7 @@ def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
 def test_it_ships_a_default_demo_spec_that_validates() -> None:
     from jobs.spec import check_base_model_limits, parse_spec
     from workers.management.commands.demo import DEMO_DATASET, demo_rows, demo_spec
+    from workers.runners.loop import split_holdout
 
     spec = parse_spec(demo_spec())
     assert (spec.method, spec.env, spec.base_model, spec.dataset) == (
@@ -75,7 +76,8 @@ def test_it_ships_a_default_demo_spec_that_validates() -> None:
     # The tiny model's registry limits (jobs/0003): rank 64, context 1024.
     assert check_base_model_limits(spec, max_lora_rank=64, max_context=1024) == []
     rows = demo_rows()
-    # Enough rows for every step's prompts plus the held-out set, all distinct.
-    assert len(rows) >= spec.steps * spec.rollout.prompts_per_step + spec.eval_examples
+    # The job holds out at most a fifth of the rows: all `eval_examples` fit, all distinct.
+    train, held = split_holdout(rows, spec.eval_examples, spec.seed)
+    assert len(held) == spec.eval_examples and len(train) >= spec.rollout.prompts_per_step
     assert len({r["question"] for r in rows}) == len(rows)
     assert all(set(r) == {"question", "answer"} and r["answer"].isdigit() for r in rows)

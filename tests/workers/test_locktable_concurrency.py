@@ -38,6 +38,7 @@ def _hammer(
     seed: int,
     operations: int,
     out: mp.Queue,
+    start: object,
     broken: bool = False,
 ) -> None:
     import redis
@@ -51,6 +52,9 @@ def _hammer(
     rng = random.Random(seed)
     held = []
     allocated = refused = conflicts = 0
+    # Forked one after another on a busy machine, the first processes could finish before the
+    # last start; the barrier makes all 16 contend for the pool at the same time.
+    start.wait(timeout=60)
     for i in range(operations):
         if held and (rng.random() < 0.5 or len(held) >= 2):
             lease = held.pop(rng.randrange(len(held)))
@@ -91,9 +95,11 @@ def _run(redis_url: str, redis_client, broken: bool) -> tuple[int, int, int, obj
     ctx = mp.get_context("fork")
     out: mp.Queue = ctx.Queue()
     per_process = TOTAL_OPERATIONS // PROCESSES
+    start = ctx.Barrier(PROCESSES)
     procs = [
         ctx.Process(
-            target=_hammer, args=(redis_url, prefix, monitor, seed, per_process, out, broken)
+            target=_hammer,
+            args=(redis_url, prefix, monitor, seed, per_process, out, start, broken),
         )
         for seed in range(PROCESSES)
     ]
