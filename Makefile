@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	touch $(STAMP)
 
 model: install

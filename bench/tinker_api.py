@@ -346,12 +346,16 @@ server, SQLite, embedded Valkey, one model worker thread).
 Sampled tokens per RL step: {rl["sdk_tokens_per_step"]:.1f} via the SDK, {rl["local_tokens_per_step"]:.1f} in-process
 (same seeds; the policies drift apart a little as they train). One SDK future with almost
 no work behind it (an `optim_step` on cleared gradients) takes {rl["round_trip_s"] * 1000:.0f} ms
-end to end; an RL step makes four such calls (save_weights_for_sampler, sample,
-forward_backward, optim_step), which is most of the gap to the in-process step on a model
-this small. Neither goal is met on this machine: with the SDK clients, the HTTP server and the
-model worker sharing one process and two shared cores, the fixed per-call cost dominates
-and four concurrent clients leave the worker little idle time to fill; multi-LoRA batching
-saves compute, which this tiny CPU model barely has.
+end to end (HTTP submit, Redis stream, worker, long poll); an RL step makes four such calls
+(save_weights_for_sampler, sample, forward_backward, optim_step) and the SDK's own
+serialization, which is the gap to the in-process step on a model this small.
+
+Neither goal is met on this machine. Everything shares one Python process and two shared
+cores: four SDK clients (each with its own event-loop thread), the HTTP server threads and
+the model worker thread contend for the same interpreter lock and cores, so running the
+clients at once cannot overlap their per-call costs, and batching four adapters into one
+forward/backward saves little compute on a 3M-parameter model on CPU. A fair test of (b)
+needs the model worker in its own process (as the Celery deployment runs it) and a GPU.
 """
     pattern = re.compile(r"## Tinker API\n.*?(?=\n## |\Z)", re.DOTALL)
     if pattern.search(text):
