@@ -261,29 +261,41 @@ def create_model(caller: Caller, req: s.CreateModelRequest) -> tuple[str, str]:
     if not (lora.train_attn or lora.train_mlp):
         raise wire.WireError("lora_config must train the attention or the MLP layers")
     model_id = wire.model_id_for(session.id, req.model_seq_id)
-    model = TrainingModel.objects.filter(pk=model_id).first()
-    if model is None:
-        _check_model_quota(caller)
-        try:
-            with transaction.atomic():
-                model = TrainingModel.objects.create(
-                    id=model_id,
-                    session=session,
-                    team_id=caller.team_id,
-                    created_by=caller.user,
-                    base_model=base.name,
-                    lora_rank=lora.rank,
-                    seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
-                    train_unembed=lora.train_unembed,
-                    train_mlp=lora.train_mlp,
-                    train_attn=lora.train_attn,
-                    optimizer_config=req.optimizer_config.model_dump(),
-                    user_metadata=req.user_metadata,
-                )
-        except IntegrityError:
-            model = TrainingModel.objects.get(pk=model_id)
+    model = _model_once(
+        caller,
+        session,
+        model_id,
+        base_model=base.name,
+        lora_rank=lora.rank,
+        seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
+        train_unembed=lora.train_unembed,
+        train_mlp=lora.train_mlp,
+        train_attn=lora.train_attn,
+        optimizer_config=req.optimizer_config.model_dump(),
+        user_metadata=req.user_metadata,
+    )
     rid = _submit(caller, model, 0, {"op": "create", "config": model.worker_config()})
     return rid, model_id
+
+
+def _model_once(caller: Caller, session: Any, model_id: str, **fields: Any) -> TrainingModel:
+    """The model row for `model_id`, created on first sight: a retried create_model or
+    load_weights (same session and model_seq_id) finds the row the first attempt wrote."""
+    model = TrainingModel.objects.filter(pk=model_id).first()
+    if model is not None:
+        return model
+    _check_model_quota(caller)
+    try:
+        with transaction.atomic():
+            return TrainingModel.objects.create(
+                id=model_id,
+                session=session,
+                team_id=caller.team_id,
+                created_by=caller.user,
+                **fields,
+            )
+    except IntegrityError:
+        return TrainingModel.objects.get(pk=model_id)
 
 
 def get_info(caller: Caller, model_id: str) -> s.GetInfoResponse:
@@ -451,32 +463,24 @@ def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
     source = ckpt.model
     assert req.model_seq_id is not None
     model_id = wire.model_id_for(session.id, req.model_seq_id)
-    model = TrainingModel.objects.filter(pk=model_id).first()
-    if model is None:
-        _check_model_quota(caller)
-        try:
-            with transaction.atomic():
-                model = TrainingModel.objects.create(
-                    id=model_id,
-                    session=session,
-                    team_id=caller.team_id,
-                    created_by=caller.user,
-                    base_model=source.base_model,
-                    lora_rank=source.lora_rank,
-                    seed=source.seed,
-                    train_unembed=source.train_unembed,
-                    train_mlp=source.train_mlp,
-                    train_attn=source.train_attn,
-                    optimizer_config=(
-                        source.optimizer_config
-                        if req.optimizer or req.optimizer_config is None
-                        else req.optimizer_config.model_dump()
-                    ),
-                    user_metadata=req.user_metadata or source.user_metadata,
-                    init_checkpoint=file,
-                )
-        except IntegrityError:
-            model = TrainingModel.objects.get(pk=model_id)
+    model = _model_once(
+        caller,
+        session,
+        model_id,
+        base_model=source.base_model,
+        lora_rank=source.lora_rank,
+        seed=source.seed,
+        train_unembed=source.train_unembed,
+        train_mlp=source.train_mlp,
+        train_attn=source.train_attn,
+        optimizer_config=(
+            source.optimizer_config
+            if req.optimizer or req.optimizer_config is None
+            else req.optimizer_config.model_dump()
+        ),
+        user_metadata=req.user_metadata or source.user_metadata,
+        init_checkpoint=file,
+    )
     rid = _submit(
         caller,
         model,
