@@ -33,6 +33,7 @@ from django.db import close_old_connections
 from tinker_api import futures, wire
 from workers import conf
 from workers.locktable import GpuLockTable, Lease
+from workers.tasks import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -802,7 +803,7 @@ class ModelWorker:
         return "stopped"
 
 
-class Heartbeat(threading.Thread):
+class Heartbeat(LeaseKeeper):
     """Renews the lease and the worker's registration every heartbeat interval."""
 
     def __init__(
@@ -813,27 +814,14 @@ class Heartbeat(threading.Thread):
         worker_id: str,
         on_lost: Callable[[], None],
     ) -> None:
-        super().__init__(name=f"tinker-worker-{base}", daemon=True)
-        self.table, self.lease, self.base, self.worker_id = table, lease, base, worker_id
-        self.on_lost = on_lost
-        self.stopping = threading.Event()
+        super().__init__(table, lease, on_lost)
+        self.name = f"tinker-worker-{base}"
+        self.base, self.worker_id = base, worker_id
 
-    def run(self) -> None:
-        while not self.stopping.wait(conf.heartbeat_interval()):
-            try:
-                if self.table.renew(self.lease, conf.lease_seconds()) is None:
-                    log.warning("model worker %s lost its lease", self.worker_id)
-                    self.on_lost()
-                    return
-                if not futures.register_worker(self.base, self.worker_id, conf.lease_seconds()):
-                    self.on_lost()
-                    return
-            except Exception:
-                log.exception("model worker %s: heartbeat failed", self.worker_id)
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(timeout=5)
+    def still_held(self) -> bool:
+        return super().still_held() and futures.register_worker(
+            self.base, self.worker_id, conf.lease_seconds()
+        )
 
 
 @shared_task(name="tinker_api.serve_base_model", ignore_result=True)

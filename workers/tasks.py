@@ -34,16 +34,22 @@ class LeaseKeeper(threading.Thread):
         self.on_lost = on_lost
         self.stopping = threading.Event()
 
+    def still_held(self) -> bool:
+        """One renewal; False once the lease is gone. Subclasses renew more beside it."""
+        if self.table.renew(self.lease, conf.lease_seconds()) is None:
+            log.warning("lease %s was lost", self.lease.job_id)
+            return False
+        return True
+
     def run(self) -> None:
         while not self.stopping.wait(conf.heartbeat_interval()):
             try:
-                if self.table.renew(self.lease, conf.lease_seconds()) is None:
-                    log.warning("job %s lost its lease", self.lease.job_id)
+                if not self.still_held():
                     self.on_lost()
                     return
             except Exception:
                 # Redis briefly unreachable: the lease has two more intervals before it expires.
-                log.exception("could not renew the lease of job %s", self.lease.job_id)
+                log.exception("could not renew lease %s", self.lease.job_id)
 
     def stop(self) -> None:
         self.stopping.set()
