@@ -395,14 +395,16 @@ def test_it_runs_the_rl_loop_recipe_with_stable_reinforce_and_the_reward_rises(
         model_name=BASE_NAME,
         batch_size=1,
         group_size=16,
-        learning_rate=4e-3,
+        learning_rate=2e-3,
         lora_rank=8,
         save_every=0,
         max_tokens=8,
-        max_steps=6,
+        max_steps=10,
     )
     assert config.loss_fn == "stable_reinforce"  # the recipe's default, unchanged
     ns["main"](config)
     rewards = [m["reward/total"] for m in _metrics(log_path)]
-    assert len(rewards) == 6
-    assert sum(rewards[-2:]) / 2 > rewards[0] + 0.3, rewards
+    assert len(rewards) == 10
+    # One group of 16 a step is a noisy estimate: compare the mean of the first two steps with
+    # that of the last three (at 4e-3 the policy sometimes overshot and fell back for a step).
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.3, rewards
