@@ -9,4 +9,4 @@ RUN DJANGO_SETTINGS_MODULE=opentinker_site.settings.production SECRET_KEY=build 
     OPENTINKER_KEY_HMAC_SECRET=build DATABASE_URL=sqlite:////tmp/build.sqlite3 \
     REDIS_URL=redis://localhost:6379/0 python manage.py collectstatic --noinput
 EXPOSE 8000
-CMD ["gunicorn", "opentinker_site.wsgi:application", "--bind", "0.0.0.0:8000"]
+CMD ["gunicorn", "opentinker_site.wsgi:application", "--config", "python:opentinker_site.gunicorn_conf", "--bind", "0.0.0.0:8000"]

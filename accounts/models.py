@@ -130,14 +130,20 @@ class ApiKeyManager(models.Manager["ApiKey"]):
         if parts is None:
             return None
         prefix, secret = parts
-        key = self.live().select_related("team", "created_by").filter(prefix=prefix).first()
+        # One query: the key, its team and creator, and the creator's membership of the team.
+        key = (
+            self.live()
+            .select_related("team", "created_by")
+            .filter(
+                prefix=prefix,
+                created_by__is_active=True,
+                created_by__memberships__team_id=models.F("team_id"),
+            )
+            .first()
+        )
         if key is None:
             return None
         if not hmac.compare_digest(key.secret_hash, hash_secret(secret)):
-            return None
-        if not key.created_by.is_active:
-            return None
-        if not Membership.objects.filter(user_id=key.created_by_id, team_id=key.team_id).exists():
             return None
         return key
 

@@ -1,12 +1,22 @@
-"""Drive a group through the env queue: the isolated path next to `rollouts.run_group`.
+"""Drive groups through the env queue: the isolated path next to `rollouts.run_group`.
 
 The policy runs here (the trainer's process); the environment runs on an env worker, one
 `step_group` task per turn for the whole group. The trajectories are built by the same
 `EpisodeRecorder` as inline rollouts, so both paths give identical tokens and masks.
+
+`run_group_remote` plays one group with a per-row policy function; `RemoteGroups` holds many
+groups on env workers for a trainer that samples all their live episodes in one batch per turn
+(the native runner with ``rollout.env_execution: queue``): each call has one task per group in
+flight at once, so env workers step the groups in parallel while the trainer waits once.
+
+These calls wait for task results, also from inside the trainer's own Celery task. That is
+safe only where env tasks run in other processes than the waiting trainer: the `worker-env`
+service, not the `gpu` workers (docker-compose's `worker-gpu` does not consume `env`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from environments.registry import build_group
@@ -17,7 +27,10 @@ from environments.rollouts import (
     PolicyFn,
     apply_group_rewards,
 )
-from environments.types import StepResult, StopCondition, Trajectory
+from environments.types import Message, StepResult, StopCondition, Trajectory
+
+# How long one env task may take, queueing included, before the trainer gives up on it.
+TASK_TIMEOUT_S = 120.0
 
 
 class RemoteEnvError(RuntimeError):
@@ -32,14 +45,114 @@ def _stop_from_json(data: dict[str, Any]) -> StopCondition:
     )
 
 
-def _call(task: Any, args: list[Any], timeout: float) -> dict[str, Any]:
-    from environments.tasks import ENV_QUEUE
-
-    reply = task.apply_async(args=args, queue=ENV_QUEUE).get(timeout=timeout)
+def _reply(result: Any, timeout: float) -> dict[str, Any]:
+    # disable_sync_subtasks: the trainer waits from inside its own task (see the module doc).
+    reply: dict[str, Any] = result.get(timeout=timeout, disable_sync_subtasks=False)
     if "error" in reply:
         err = reply["error"]
         raise RemoteEnvError(f"{err.get('field')}: {err.get('reason')}")
     return reply
+
+
+def _call(task: Any, args: list[Any], timeout: float) -> dict[str, Any]:
+    from environments.tasks import ENV_QUEUE
+
+    return _reply(task.apply_async(args=args, queue=ENV_QUEUE), timeout)
+
+
+def _step_result(res: dict[str, Any]) -> StepResult:
+    stop = res.pop("stop")
+    return StepResult(**res, stop=None if stop is None else _stop_from_json(stop))
+
+
+Observation = tuple[list[Message], StopCondition]
+
+
+class RemoteGroups:
+    """Groups (JSON group specs) whose episodes live on env workers, stepped in lockstep.
+
+    `start()` gives each episode's initial observation, `step(actions)` each episode's
+    `StepResult`; an episode that raised is the string ``"ExcType: message"`` instead, as
+    `rollouts` words it for inline episodes, and an episode given no action gets None.
+    `close()` drops the sessions of groups that did not play to the end.
+    """
+
+    def __init__(
+        self, group_specs: Sequence[dict[str, Any]], *, timeout: float = TASK_TIMEOUT_S
+    ) -> None:
+        self.group_specs = list(group_specs)
+        self.timeout = timeout
+        self.sessions: list[str] = []
+        self._live: list[set[int]] = []
+
+    def _gather(self, results: list[Any]) -> list[dict[str, Any]]:
+        """Every reply (so no started session goes unrecorded), then the first error."""
+        replies: list[dict[str, Any]] = []
+        error: Exception | None = None
+        for result in results:
+            try:
+                replies.append(_reply(result, self.timeout))
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                replies.append({})
+                error = error or exc
+        for reply in replies:
+            if "session" in reply:
+                self.sessions.append(reply["session"])
+                self._live.append(set(range(len(reply["observations"]))))
+        if error is not None:
+            raise error
+        return replies
+
+    def start(self) -> list[list[Observation | str]]:
+        from environments.tasks import ENV_QUEUE, start_group
+
+        if self.sessions:
+            raise RuntimeError("these groups were started already")
+        replies = self._gather(
+            [start_group.apply_async(args=[spec], queue=ENV_QUEUE) for spec in self.group_specs]
+        )
+        return [
+            [
+                o["exception"]
+                if "exception" in o
+                else (list(o["messages"]), _stop_from_json(o["stop"]))
+                for o in reply["observations"]
+            ]
+            for reply in replies
+        ]
+
+    def step(self, actions: Sequence[Sequence[str | None]]) -> list[list[StepResult | str | None]]:
+        from environments.tasks import ENV_QUEUE, step_group
+
+        if len(actions) != len(self.sessions):
+            raise ValueError(f"{len(actions)} action lists for {len(self.sessions)} groups")
+        out: list[list[StepResult | str | None]] = [[None] * len(a) for a in actions]
+        sent = [
+            (g, step_group.apply_async(args=[self.sessions[g], list(a)], queue=ENV_QUEUE))
+            for g, a in enumerate(actions)
+            if any(action is not None for action in a)
+        ]
+        for g, result in sent:
+            for e, res in enumerate(_reply(result, self.timeout)["results"]):
+                if res is None:
+                    continue
+                if "exception" in res:
+                    self._live[g].discard(e)  # the worker ended it
+                    out[g][e] = str(res["exception"])
+                    continue
+                if res["done"]:
+                    self._live[g].discard(e)
+                out[g][e] = _step_result(res)
+        return out
+
+    def close(self) -> None:
+        from environments.tasks import ENV_QUEUE, close_group
+
+        # An env worker drops a session itself once all its episodes are done.
+        for session, live in zip(self.sessions, self._live, strict=True):
+            if live:
+                close_group.apply_async(args=[session], queue=ENV_QUEUE)
+        self.sessions, self._live = [], []
 
 
 def run_group_remote(
@@ -80,10 +193,7 @@ def run_group_remote(
                         f"step failed: {res['exception']}", turn_error="env_exception"
                     )
                 else:
-                    stop = res.pop("stop")
-                    recorders[i].record(
-                        StepResult(**res, stop=None if stop is None else _stop_from_json(stop))
-                    )
+                    recorders[i].record(_step_result(res))
         else:
             for rec in recorders:
                 if not rec.done:

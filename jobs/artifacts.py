@@ -6,11 +6,18 @@ The runner (``workers.runners.native``) writes under ``<OPENTINKER_DATA_DIR>/job
 ``eval/transcripts.jsonl``) and ``summary.json``. The files are the record; this module only
 reads them, and every name that comes from a URL is checked against what is listed, so no
 path outside the workdir is served.
+
+The verl runner (``workers.runners.verl``) adds index lines with ``extra.runner == "verl"``
+for the checkpoints verl itself writes under ``verl/checkpoints/global_step_<N>/`` (``data.pt``
+and ``actor/``: FSDP shards ``model|optim|extra_state_world_size_<W>_rank_<R>.pt``,
+``fsdp_config.json``, ``huggingface/`` config and tokenizer, ``lora_adapter/`` with LoRA).
+They are listed with ``kind: "verl"`` and download as one zip of that directory.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import zipfile
 from pathlib import Path
@@ -20,6 +27,9 @@ from django.conf import settings
 
 CHECKPOINT_INDEX = "checkpoints.jsonl"
 CHECKPOINT_STATE = "state.pt"
+# Where the verl runner points verl's trainer.default_local_dir, relative to the workdir.
+VERL_CHECKPOINT_DIR = Path("verl") / "checkpoints"
+VERL_CHECKPOINT_NAME = re.compile(r"global_step_(\d+)")
 # Directories served as one zip; files served as they are.
 ARTIFACT_DIRS = {"adapter": "adapter", "model": "model"}
 ARTIFACT_FILES = {"summary.json": "summary"}
@@ -32,16 +42,60 @@ def workdir(job_id: Any) -> Path:
     return Path(settings.OPENTINKER_DATA_DIR) / "jobs" / str(job_id)
 
 
+def _files(path: Path) -> list[Path]:
+    """The regular files under `path`; links are left out, so nothing outside is served."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in _files(path))
+
+
+def _checkpoint_entry(root: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The listing of one index line, or None when its files are not (or no longer) there.
+
+    Paths come from the name alone, never from the line's ``path``, and a name must look like
+    what its runner writes.
+    """
+    name = str(record.get("name", ""))
+    extra = record.get("extra") or {}
+    if extra.get("runner") == "verl":
+        match = VERL_CHECKPOINT_NAME.fullmatch(name)
+        # verl may have rotated it away (max_actor_ckpt_to_keep).
+        path = root / VERL_CHECKPOINT_DIR / name
+        if match is None or not (path / "actor").is_dir():
+            return None
+        kind, fmt, step = "verl", "zip", int(match.group(1))
+    else:
+        if not name or "/" in name or name.startswith("."):
+            return None
+        path = root / "checkpoints" / name / CHECKPOINT_STATE
+        if not path.is_file():
+            return None
+        kind, fmt, step = "native", "pt", int(extra.get("step", record.get("step", 0)))
+    return {
+        "name": name,
+        "kind": kind,
+        "format": fmt,
+        "step": step,
+        "created": float(record.get("created", 0.0)),
+        "attempt": extra.get("attempt"),
+        "eval": extra.get("eval") or {},
+        "size_bytes": _size(path),
+    }
 
 
 def checkpoints(job_id: Any) -> list[dict[str, Any]]:
-    """Checkpoints whose state file exists, oldest first (a torn index line is skipped)."""
-    root = workdir(job_id) / "checkpoints"
-    index = root / CHECKPOINT_INDEX
+    """Checkpoints whose files exist, oldest first (a torn index line is skipped).
+
+    ``kind`` is "native" (``state.pt``: weights, AdamW state, step, RNG, data position; the
+    download is that file) or "verl" (verl's own ``global_step_N`` directory, downloaded as
+    a zip).
+    """
+    root = workdir(job_id)
+    index = root / "checkpoints" / CHECKPOINT_INDEX
     if not index.is_file():
         return []
     out: dict[str, dict[str, Any]] = {}
@@ -50,27 +104,34 @@ def checkpoints(job_id: Any) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        name = str(record.get("name", ""))
-        state = root / name / CHECKPOINT_STATE
-        if not name or "/" in name or name.startswith(".") or not state.is_file():
+        if not isinstance(record, dict):
             continue
-        extra = record.get("extra") or {}
-        # A resumed run may save a step again: the later line wins.
-        out[name] = {
-            "name": name,
-            "step": int(extra.get("step", record.get("step", 0))),
-            "created": float(record.get("created", 0.0)),
-            "attempt": extra.get("attempt"),
-            "eval": extra.get("eval") or {},
-            "size_bytes": state.stat().st_size,
-        }
+        try:
+            entry = _checkpoint_entry(root, record)
+        except (AttributeError, TypeError, ValueError):
+            continue
+        if entry is not None:
+            # A resumed run may save a step again: the later line wins.
+            out[entry["name"]] = entry
     return sorted(out.values(), key=lambda c: (c["step"], c["created"]))
 
 
 def checkpoint_file(job_id: Any, name: str) -> Path | None:
-    if not any(c["name"] == name for c in checkpoints(job_id)):
+    """A native checkpoint's ``state.pt`` (what the native engine loads), if it is listed."""
+    if not any(c["name"] == name and c["kind"] == "native" for c in checkpoints(job_id)):
         return None
     return workdir(job_id) / "checkpoints" / name / CHECKPOINT_STATE
+
+
+def checkpoint_download(job_id: Any, name: str) -> Path | None:
+    """What the download of a listed checkpoint serves: a native checkpoint's ``state.pt``,
+    a verl checkpoint's directory (to be zipped)."""
+    for c in checkpoints(job_id):
+        if c["name"] == name:
+            if c["kind"] == "verl":
+                return workdir(job_id) / VERL_CHECKPOINT_DIR / name
+            return workdir(job_id) / "checkpoints" / name / CHECKPOINT_STATE
+    return None
 
 
 def adapter_dir(job_id: Any) -> Path | None:
@@ -130,11 +191,16 @@ def artifact_path(job_id: Any, name: str) -> Path | None:
     return workdir(job_id) / name
 
 
-def zip_directory(path: Path) -> IO[bytes]:
-    """A zip of `path`'s files (names relative to it), rewound; spills to disk when large."""
+def zip_directory(path: Path, *, compress: bool = True) -> IO[bytes]:
+    """A zip of `path`'s files (names relative to it), rewound; spills to disk when large.
+
+    ``compress=False`` stores the files as they are: tensor shards hardly compress, and
+    deflating gigabytes of them would hold the request for minutes.
+    """
     spool = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)  # noqa: SIM115
-    with zipfile.ZipFile(spool, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with zipfile.ZipFile(spool, "w", compression=method, allowZip64=True) as zf:
+        for file in _files(path):
             zf.write(file, arcname=str(file.relative_to(path)))
     spool.seek(0)
     return spool  # type: ignore[return-value]

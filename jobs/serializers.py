@@ -69,7 +69,11 @@ class MetricSeriesSerializer(serializers.Serializer):
 
 
 class CheckpointSerializer(serializers.Serializer):
-    name = serializers.CharField(help_text="e.g. 'step-000020'.")
+    name = serializers.CharField(help_text="e.g. 'step-000020' (native), 'global_step_20' (verl).")
+    kind = serializers.CharField(
+        help_text="'native': the native runner's state.pt; 'verl': verl's checkpoint directory."
+    )
+    format = serializers.CharField(help_text="How the download comes: 'pt' (torch.load) or 'zip'.")
     step = serializers.IntegerField(help_text="Training steps done when it was saved.")
     created = serializers.FloatField(help_text="Unix time of the save.")
     attempt = serializers.IntegerField(allow_null=True)

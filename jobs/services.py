@@ -319,7 +319,9 @@ def _check_eval(parsed: JobSpec, team: Team, kind: str) -> list[dict[str, str]]:
         return [{"field": "base_model", "reason": reason}]
     if parsed.eval.checkpoint is not None:
         if artifacts.checkpoint_file(source.pk, parsed.eval.checkpoint) is None:
-            names = ", ".join(c["name"] for c in artifacts.checkpoints(source.pk)) or "none"
+            listed = artifacts.checkpoints(source.pk)
+            # Eval jobs load the native engine's state; verl checkpoints are not for it.
+            names = ", ".join(c["name"] for c in listed if c["kind"] == "native") or "none"
             reason = f"job {source.pk} has no checkpoint {parsed.eval.checkpoint!r}; has: {names}"
             return [{"field": "eval.checkpoint", "reason": reason}]
         return []
@@ -559,32 +561,63 @@ def heartbeat(job_id: JobId, *, attempt: int, step: int | None = None) -> bool:
     return bool(updated)
 
 
-def record_metrics(job_id: JobId, step: int, metrics: Mapping[str, float], *, attempt: int) -> bool:
-    """Upsert metric values of ``step``; a resumed run overwrites what it logged before.
-    False (nothing written) when ``attempt`` is not the job's live attempt."""
+def check_metrics(step: int, metrics: Mapping[str, float]) -> dict[str, float]:
+    """The metrics of ``step`` as finite floats; ValueError names what cannot be stored."""
     if step < 0:
         raise ValueError("step must be >= 0")
-    rows = []
+    checked: dict[str, float] = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or not name or len(name) > 100:
             raise ValueError(f"metric name must be a non-empty string of <= 100 chars: {name!r}")
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"metric {name!r} is not finite: {value}")
-        rows.append(JobMetric(job_id=job_id, step=step, name=name, value=value))
-    if not rows:
+        checked[name] = value
+    return checked
+
+
+def record_metrics(job_id: JobId, step: int, metrics: Mapping[str, float], *, attempt: int) -> bool:
+    """Upsert metric values of ``step``; a resumed run overwrites what it logged before.
+    False (nothing written) when ``attempt`` is not the job's live attempt."""
+    return record_metric_steps(job_id, [(step, metrics)], attempt=attempt)
+
+
+def record_metric_steps(
+    job_id: JobId, steps: Iterable[tuple[int, Mapping[str, float]]], *, attempt: int
+) -> bool:
+    """Upsert the metrics of several steps in one transaction (a runner buffers a few steps
+    between writes: one commit per step is most of a managed job's overhead on SQLite).
+    A step given twice keeps its last values. False (nothing written) when ``attempt`` is not
+    the job's live attempt."""
+    latest: dict[tuple[int, str], JobMetric] = {}
+    for step, metrics in steps:
+        for name, value in check_metrics(step, metrics).items():
+            latest[(step, name)] = JobMetric(job_id=job_id, step=step, name=name, value=value)
+    if not latest:
         return True
     with transaction.atomic():
         live = Job.objects.filter(pk=job_id, attempt=attempt, state__in=ACTIVE_STATES).exists()
         if not live:
             return False
         JobMetric.objects.bulk_create(
-            rows,
+            list(latest.values()),
             update_conflicts=True,
             unique_fields=["job", "step", "name"],
             update_fields=["value"],
         )
     return True
+
+
+def discard_metrics_after(job_id: JobId, step: int, *, attempt: int) -> int | None:
+    """Delete the metrics of steps after ``step``: a run resumed from the checkpoint of
+    ``step`` redoes them, and rows an earlier attempt wrote past it must not linger (or
+    outlive it, should the new run log fewer names). None when ``attempt`` is not live."""
+    with transaction.atomic():
+        live = Job.objects.filter(pk=job_id, attempt=attempt, state__in=ACTIVE_STATES).exists()
+        if not live:
+            return None
+        deleted, _ = JobMetric.objects.filter(job_id=job_id, step__gt=step).delete()
+    return deleted
 
 
 # --- cancel ---------------------------------------------------------------------------------

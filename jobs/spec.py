@@ -133,6 +133,15 @@ class RolloutSpec(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
     max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens per model turn.")
     max_turns: int = Field(8, ge=1, le=64, description="Most model turns per episode.")
+    env_execution: Literal["inline", "queue"] = Field(
+        "inline",
+        description=(
+            "Where the environment steps run: 'inline' in the trainer's process, or 'queue' on "
+            "env workers (the `env` Celery queue, one task per group and turn), which keeps "
+            "env code and its sandboxes off the GPU worker. The trajectories are the same for "
+            "the same seed. Native runner only; self-play envs run inline only."
+        ),
+    )
 
 
 class LoRASpec(_Section):
@@ -408,6 +417,13 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
             errors.append(("rollout.group_size", "'rloo' needs at least 2 samples per group"))
         if spec.env == "gomoku_selfplay" and spec.rollout.group_size % 2:
             errors.append(("rollout.group_size", "self-play pairs episodes: give an even size"))
+    if spec.rollout.env_execution == "queue" and env.name == "gomoku_selfplay":
+        errors.append(
+            (
+                "rollout.env_execution",
+                "self-play plays a group's episodes against each other in one process: 'inline'",
+            )
+        )
     return errors
 
 
@@ -420,6 +436,13 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         errors.append(("runner", "eval jobs run on the native runner"))
     if spec.env == "gomoku_selfplay":
         errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
+    if spec.rollout.env_execution != "inline":
+        errors.append(
+            (
+                "rollout.env_execution",
+                "the verl runner steps environments in its own workers: 'inline' only",
+            )
+        )
     return errors
 
 

@@ -178,11 +178,19 @@ class JobViewSet(
     def checkpoint_download(
         self, request: Request, pk: str | None = None, name: str = ""
     ) -> FileResponse:
-        """The checkpoint's ``state.pt`` (weights, AdamW state, step, RNG; ``torch.load``)."""
+        """A native checkpoint's ``state.pt`` (weights, AdamW state, step, RNG; ``torch.load``),
+        or a verl checkpoint's ``global_step_N`` directory as a zip."""
         job = self.get_object()
-        path = artifacts.checkpoint_file(job.pk, name)
+        path = artifacts.checkpoint_download(job.pk, name)
         if path is None:
             raise NotFound(f"job has no checkpoint {name!r}")
+        if path.is_dir():
+            return FileResponse(
+                artifacts.zip_directory(path, compress=False),
+                as_attachment=True,
+                filename=f"{job.pk}-{name}.zip",
+                content_type="application/zip",
+            )
         return FileResponse(
             path.open("rb"), as_attachment=True, filename=f"{job.pk}-{name}-state.pt"
         )

@@ -15,7 +15,12 @@ import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown
+from celery.signals import (
+    celeryd_after_setup,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from kombu import Exchange, Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "opentinker_site.settings.local")
@@ -101,6 +106,22 @@ def _add_node_queue(sender: str, instance: Any, **kwargs: Any) -> None:
     from workers import conf
 
     instance.app.amqp.queues.select_add(node_queue(conf.node_name()))
+
+
+@celeryd_after_setup.connect
+def _clear_stopping_flag(sender: str, instance: Any, **kwargs: Any) -> None:
+    from workers import control
+
+    control.clear_stopping()
+
+
+@worker_shutting_down.connect
+def _flag_stopping(sender: Any = None, **kwargs: Any) -> None:
+    """Warm shutdown waits for running tasks: tell the ones that would otherwise serve until
+    idle (``tinker_api.serve_base_model``) to end now."""
+    from workers import control
+
+    control.mark_stopping()
 
 
 @worker_ready.connect

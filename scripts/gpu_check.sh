@@ -4,7 +4,8 @@
 #   OUT=/tmp/out scripts/gpu_check.sh
 #
 # 1. the engine's GPU tests (pytest -m gpu tests/training: the vLLM sampler among them);
-# 2. a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
+# 2. bench/tinker_api.py --device cuda (SDK RL step and four clients at once on the GPU);
+# 3. a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
 #    the same translation, parquet files, reward function and process supervision as a job,
 #    without the database), 3 steps of 8 prompts x 4 samples.
 #
@@ -60,7 +61,14 @@ timeout 240 "$PYTHON" -m pytest tests/training -m gpu -q -rs -p no:cacheprovider
 rc=$?
 note "engine gpu tests: rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/engine_gpu_tests.txt")"
 
-# --- 2. GRPO through the verl runner ---------------------------------------------------------
+# --- 2. Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) ---------
+start=$(date +%s)
+timeout 300 "$PYTHON" bench/tinker_api.py --device cuda --repeat 1 --rounds 3 \
+  >"$OUT/tinker_bench_cuda.txt" 2>&1
+rc=$?
+note "tinker bench cuda: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_cuda.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
+
+# --- 3. GRPO through the verl runner ---------------------------------------------------------
 if ! "$VERL_PYTHON" -c 'import verl, vllm' >/dev/null 2>&1; then
   note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm)"
   exit 0

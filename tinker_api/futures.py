@@ -83,36 +83,41 @@ def get(request_id: str) -> dict[str, Any] | None:
     return out
 
 
-def claim(request_id: str, worker_id: str) -> None:
-    key = f"{PREFIX}fut:{request_id}"
-    # Only a queued future moves to claimed; a finished one keeps its outcome.
-    script = (
-        "if redis.call('HGET', KEYS[1], 'status') == 'queued' then "
-        "redis.call('HSET', KEYS[1], 'status', 'claimed', 'worker', ARGV[1]) return 1 end return 0"
-    )
-    _r().eval(script, 1, key, worker_id)
+# Only a queued future moves to claimed; a finished one keeps its outcome.
+_CLAIM = (
+    "if redis.call('HGET', KEYS[1], 'status') == 'queued' then "
+    "redis.call('HSET', KEYS[1], 'status', 'claimed', 'worker', ARGV[1]) return 1 end return 0"
+)
+
+
+def claim_entries(base: str, worker_id: str, entries: list[tuple[Any, str]]) -> None:
+    """Claim the futures of stream entries ``(entry_id, request_id)`` and acknowledge the
+    entries, all in one round trip."""
+    if not entries:
+        return
+    pipe = _r().pipeline(transaction=False)
+    for _entry_id, request_id in entries:
+        pipe.eval(_CLAIM, 1, f"{PREFIX}fut:{request_id}", worker_id)
+    pipe.xack(stream_key(base), GROUP, *(entry_id for entry_id, _rid in entries))
+    pipe.execute()
+
+
+# Conditional: a future ends once (a worker and a poll that declares it lost may race). The
+# done marker is pushed in the same script, so a long poll wakes one round trip after the end.
+_FINISH = (
+    "local s = redis.call('HGET', KEYS[1], 'status') "
+    "if s == false or s == 'done' or s == 'failed' then return 0 end "
+    "redis.call('HSET', KEYS[1], unpack(ARGV)) "
+    "redis.call('RPUSH', KEYS[2], '1') redis.call('EXPIRE', KEYS[2], 60) return 1"
+)
 
 
 def _finish(request_id: str, fields: dict[str, Any]) -> bool:
-    key = f"{PREFIX}fut:{request_id}"
-    r = _r()
-    # Conditional: a future ends once (a worker and a poll that declares it lost may race).
-    script = (
-        "local s = redis.call('HGET', KEYS[1], 'status') "
-        "if s == false or s == 'done' or s == 'failed' then return 0 end "
-        "redis.call('HSET', KEYS[1], unpack(ARGV)) return 1"
-    )
     flat: list[Any] = []
     for k, v in fields.items():
         flat.extend([k, v])
-    if not r.eval(script, 1, key, *flat):
-        return False
-    done = f"{PREFIX}done:{request_id}"
-    pipe = r.pipeline()
-    pipe.rpush(done, "1")
-    pipe.expire(done, 60)
-    pipe.execute()
-    return True
+    keys = (f"{PREFIX}fut:{request_id}", f"{PREFIX}done:{request_id}")
+    return bool(_r().eval(_FINISH, 2, *keys, *flat))
 
 
 def complete(request_id: str, *, json_body: bytes, proto_body: bytes | None = None) -> bool:
@@ -167,6 +172,62 @@ def enqueue(base: str, op: dict[str, Any], *, body: bytes | None = None) -> None
     r.xadd(key, fields)
 
 
+# One round trip for a new request: the dedupe check (a protocol id seen before answers the
+# earlier request id and queues nothing), the future, the consumer group (created with the
+# stream, before the first message, so a worker started later reads it all) and the message.
+_SUBMIT = (
+    "if ARGV[1] ~= '' then "
+    "  local earlier = redis.call('GET', KEYS[3]) "
+    "  if earlier then return earlier end "
+    "  redis.call('SET', KEYS[3], ARGV[2], 'EX', ARGV[3]) "
+    "end "
+    "redis.call('HSET', KEYS[1], 'team', ARGV[4], 'kind', ARGV[5], 'base', ARGV[6], "
+    "  'status', 'queued', 'created', ARGV[7]) "
+    "redis.call('EXPIRE', KEYS[1], ARGV[3]) "
+    "if redis.call('EXISTS', KEYS[2]) == 0 then "
+    "  redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[10], '0', 'MKSTREAM') "
+    "end "
+    "if ARGV[5] == 'sample' then redis.call('INCR', KEYS[4]) end "
+    "if ARGV[9] == '1' then redis.call('XADD', KEYS[2], '*', 'op', ARGV[8], 'body', ARGV[11]) "
+    "else redis.call('XADD', KEYS[2], '*', 'op', ARGV[8]) end "
+    "return ARGV[2]"
+)
+
+
+def submit(
+    request_id: str,
+    op: dict[str, Any],
+    *,
+    team_id: int,
+    base: str,
+    body: bytes | None = None,
+    dedupe_scope: str | None = None,
+) -> str:
+    """Create the future of ``op`` and queue it on ``base``'s stream, atomically; with a
+    ``dedupe_scope`` (``seq:<model>:<seq_id>``) a resubmission queues nothing and answers the
+    request id of the first submission. Returns the request id that answers."""
+    keys = (
+        f"{PREFIX}fut:{request_id}",
+        stream_key(base),
+        f"{PREFIX}dedupe:{dedupe_scope or ''}",
+        f"{PREFIX}samples:{base}",
+    )
+    args = (
+        "1" if dedupe_scope else "",
+        request_id,
+        str(future_ttl()),
+        str(team_id),
+        str(op["op"]),
+        base,
+        f"{time.time():.3f}",
+        json.dumps(op),
+        "1" if body is not None else "0",
+        GROUP,
+        body if body is not None else b"",
+    )
+    return _text(_r().eval(_SUBMIT, len(keys), *keys, *args))
+
+
 def queued_samples(base: str) -> int:
     value = _r().get(f"{PREFIX}samples:{base}")
     return int(value) if value else 0
@@ -198,6 +259,18 @@ def worker_of(base: str) -> str | None:
 
 def worker_alive(worker_id: str) -> bool:
     return bool(_r().exists(f"{PREFIX}alive:{worker_id}"))
+
+
+_ACTIVE = (
+    "local cur = redis.call('GET', KEYS[1]) "
+    "if cur and redis.call('EXISTS', KEYS[2] .. cur) == 1 then return 1 end return 0"
+)
+
+
+def worker_active(base: str) -> bool:
+    """Whether a live worker serves ``base`` (``worker_of`` + ``worker_alive``, one round
+    trip: every submission asks)."""
+    return bool(_r().eval(_ACTIVE, 2, f"{PREFIX}worker:{base}", f"{PREFIX}alive:"))
 
 
 def register_worker(base: str, worker_id: str, ttl: int) -> bool:

@@ -31,7 +31,7 @@ from celery import shared_task
 from django.db import close_old_connections
 
 from tinker_api import futures, wire
-from workers import conf
+from workers import conf, control
 from workers.locktable import GpuLockTable, Lease
 from workers.tasks import LeaseKeeper
 
@@ -48,6 +48,10 @@ GAP_CHECK_SECONDS = 1.0
 LIVE_SNAPSHOTS = 4
 # How often a worker looks for sessions that stopped heartbeating.
 REAP_SECONDS = 30.0
+# How often the serve loop asks whether its Celery worker is shutting down, and how long it
+# then keeps running the requests it has already read before it ends.
+STOP_CHECK_SECONDS = 1.0
+STOP_DRAIN_SECONDS = 10.0
 LOADED_SAMPLERS = 16
 
 
@@ -63,6 +67,20 @@ def session_timeout() -> int:
 
 def torch_threads() -> int:
     return conf._int_setting("OPENTINKER_TINKER_TORCH_THREADS", 2, minimum=1)
+
+
+# A model that sent a request this recently is "active": a client in a training loop sends
+# its next request a few milliseconds after its previous one is answered.
+ACTIVE_SECONDS = 0.25
+
+
+def gather_seconds(device: str) -> float:
+    """How long a ready forward/backward waits for the next request of other active models
+    that have nothing queued, so that it joins the same batched call (0: never wait). By
+    default only on an accelerator: on a CPU a forward/backward costs its arithmetic, so
+    four adapters batched cost what four calls cost, and the wait would be pure delay."""
+    default = 0 if device == "cpu" else 3
+    return conf._int_setting("OPENTINKER_TINKER_GATHER_MS", default, minimum=0) / 1000.0
 
 
 class RequestError(Exception):
@@ -97,14 +115,20 @@ class Op:
         return int(self.fields.get("seq", 0))
 
 
-def target_modules(config: Mapping[str, Any]) -> tuple[str, ...]:
+def target_modules(config: Mapping[str, Any], unembed: str | None = "lm_head") -> tuple[str, ...]:
+    """LoRA targets of a model's ``lora_config``; ``unembed`` names the base model's output
+    head (``train_unembed``: LoRA on the unembedding, as the SDK documents it)."""
     modules: tuple[str, ...] = ()
     if config.get("train_attn", True):
         modules += ATTN_MODULES
     if config.get("train_mlp", True):
         modules += MLP_MODULES
+    if config.get("train_unembed", True):
+        if unembed is None:
+            raise RequestError("lora_config.train_unembed: this base model has no output head")
+        modules += (unembed,)
     if not modules:
-        raise RequestError("lora_config must train the attention or the MLP layers")
+        raise RequestError("lora_config must train the attention, the MLP or the unembedding")
     return modules
 
 
@@ -213,6 +237,9 @@ class ModelWorker:
         self.pending: dict[str, dict[int, Op]] = {}
         self.waiting_since: dict[str, float] = {}
         self.samples: list[Op] = []
+        # When each model last sent a request (monotonic), for the gather window.
+        self.seen: dict[str, float] = {}
+        self.gather = gather_seconds(device)
         # Sampler checkpoints: snapshots this worker made (checkpoint pk -> policy, version),
         # and those loaded from disk (file -> host key), oldest first.
         self.snapshots: dict[int, tuple[Any, int]] = {}
@@ -231,7 +258,8 @@ class ModelWorker:
             count=512,
             block=block_ms or None,
         )
-        n = 0
+        ops: list[Op] = []
+        claims: list[tuple[Any, str]] = []
         for _stream, entries in got or []:
             for entry_id, raw in entries:
                 fields = {k.decode(): v for k, v in raw.items()}
@@ -239,13 +267,14 @@ class ModelWorker:
                     fields=json.loads(fields["op"]),
                     body=fields.get("body"),
                 )
-                futures.claim(op.rid, self.worker_id)
-                r.xack(futures.stream_key(self.base), futures.GROUP, entry_id)
-                self._accept(op)
-                n += 1
-        if n:
+                ops.append(op)
+                claims.append((entry_id, op.rid))
+        futures.claim_entries(self.base, self.worker_id, claims)
+        for op in ops:
+            self._accept(op)
+        if ops:
             self.last_activity = time.monotonic()
-        return n
+        return len(ops)
 
     def _accept(self, op: Op) -> None:
         if op.kind == "sample":
@@ -255,6 +284,7 @@ class ModelWorker:
             self._close(op)
             return
         model = op.model
+        self.seen[model] = time.monotonic()
         if model not in self.next:
             self.next[model] = futures.next_seq(model)
         if op.seq < self.next[model] or op.seq in self.pending.get(model, {}):
@@ -274,6 +304,7 @@ class ModelWorker:
                 futures.fail(queued.rid, f"the session of {model} {why}", "user")
             self.waiting_since.pop(model, None)
             self.next.pop(model, None)
+            self.seen.pop(model, None)
             policy = self.policies.pop(model, None)
             if policy is not None:
                 self.engine.remove_policy(model)
@@ -311,6 +342,38 @@ class ModelWorker:
 
     # ---------------------------------------------------------------- scheduling
 
+    def gather_batch(self) -> None:
+        """Hold a ready forward/backward for up to ``gather_seconds()`` while other active
+        models have nothing queued: their next request (a client a few milliseconds behind)
+        then runs in the same batched call instead of waiting for this one to finish."""
+        if self.gather <= 0:
+            return
+        deadline = time.monotonic() + self.gather
+        while self._awaiting_others():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.read(max(1, round(left * 1000))):
+                return
+
+    def _awaiting_others(self) -> bool:
+        if self.samples:
+            return False
+        now = time.monotonic()
+        ready = set()
+        for model, ops in self.pending.items():
+            first = ops.get(self.next.get(model, 0))
+            if first is not None:
+                if first.kind != "fwdbwd":
+                    return False  # other work is ready: run it now
+                ready.add(model)
+        if not ready:
+            return False
+        for model, at in list(self.seen.items()):
+            if now - at > ACTIVE_SECONDS:
+                del self.seen[model]
+            elif model not in ready and not self.pending.get(model):
+                return True
+        return False
+
     def step(self) -> bool:
         """Run what is ready; True if anything ran."""
         progressed = False
@@ -319,6 +382,7 @@ class ModelWorker:
             self._run_samples(batch)
             progressed = True
         fwdbwd: dict[bool, list[Op]] = {False: [], True: []}
+        optims: list[Op] = []
         for model in list(self.pending):
             ops = self.pending[model]
             seq = self.next.get(model, 0)
@@ -328,6 +392,11 @@ class ModelWorker:
                 continue
             self.waiting_since.pop(model, None)
             first = ops[seq]
+            if first.kind == "optim":
+                # Optimizer steps of all models that are ready run as one update.
+                optims.append(ops.pop(seq))
+                self._advance(model, seq + 1)
+                continue
             if first.kind != "fwdbwd":
                 del ops[seq]
                 self._run_single(first)
@@ -344,6 +413,9 @@ class ModelWorker:
                 fwdbwd[forward_only].append(ops.pop(seq))
                 seq += 1
             self._advance(model, seq)
+        if optims:
+            self._run_optims(optims)
+            progressed = True
         for forward_only, ops_list in fwdbwd.items():
             if ops_list:
                 self._run_fwdbwd(ops_list, forward_only)
@@ -402,6 +474,8 @@ class ModelWorker:
         return row
 
     def _new_policy(self, model_id: str, config: Mapping[str, Any]) -> Any:
+        from training.lora import output_layer_name
+
         if model_id in self.policies:
             self.engine.remove_policy(model_id)
             del self.policies[model_id]
@@ -409,7 +483,7 @@ class ModelWorker:
             policy = self.engine.create_policy(
                 rank=int(config["rank"]),
                 alpha=LORA_ALPHA,
-                target_modules=target_modules(config),
+                target_modules=target_modules(config, output_layer_name(self.engine.model)),
                 seed=int(config.get("seed") or 0),
                 policy_id=model_id,
             )
@@ -486,17 +560,38 @@ class ModelWorker:
         )
         return {"type": "load_weights", "path": op.fields.get("path")}
 
-    def _op_optim(self, op: Op) -> dict[str, Any]:
-        from training.ops import optim_step
+    def _run_optims(self, ops: list[Op]) -> None:
+        """Optimizer steps of several models in one batched update (``optim_steps``); each
+        request keeps its own hyperparameters, outcome and metrics."""
+        from training.ops import optim_steps
         from training.types import AdamParams
 
-        params = op.fields["adam"]
+        close_old_connections()
+        ready: list[tuple[Op, Any, Any]] = []
+        for op in ops:
+            try:
+                try:
+                    adam = AdamParams(**op.fields["adam"])
+                except (TypeError, ValueError) as exc:
+                    raise RequestError(f"adam_params: {exc}") from exc
+                ready.append((op, self._policy(op.model), adam))
+            except RequestError as exc:
+                futures.fail(op.rid, str(exc), exc.category)
+            except Exception as exc:
+                log.exception("request %s (optim) failed", op.rid)
+                futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+        if not ready:
+            return
         try:
-            adam = AdamParams(**params)
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"adam_params: {exc}") from exc
-        metrics = optim_step(self._policy(op.model), adam)
-        return {"metrics": {f"optim/{k}:mean": float(v) for k, v in metrics.items()}}
+            results = optim_steps([p for _op, p, _a in ready], [a for _op, _p, a in ready])
+        except Exception as exc:
+            log.exception("optimizer step of %d models failed", len(ready))
+            for op, _policy, _adam in ready:
+                futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+            return
+        for (op, _policy, _adam), metrics in zip(ready, results, strict=True):
+            body = {"metrics": {f"optim/{k}:mean": float(v) for k, v in metrics.items()}}
+            futures.complete(op.rid, json_body=json.dumps(body).encode())
 
     def _op_save_state(self, op: Op) -> dict[str, Any]:
         from tinker_api.models import Checkpoint
@@ -512,6 +607,7 @@ class ModelWorker:
 
     def _op_save_sampler(self, op: Op) -> dict[str, Any]:
         from tinker_api.models import Checkpoint, SamplingSession
+        from tinker_api.services import INFLIGHT_PREFIX
 
         policy = self._policy(op.model)
         ckpt = Checkpoint.objects.get(pk=op.fields["checkpoint"])
@@ -525,6 +621,12 @@ class ModelWorker:
         session_id = op.fields.get("sampling_session_id")
         if session_id:
             SamplingSession.objects.filter(pk=session_id).update(checkpoint=ckpt)
+            if ckpt.name.startswith(INFLIGHT_PREFIX):
+                # The inflight contract: a later inflight save reaches the clients of the
+                # earlier ones too (their next samples run on these weights).
+                SamplingSession.objects.filter(
+                    checkpoint__model_id=op.model, checkpoint__name__startswith=INFLIGHT_PREFIX
+                ).update(checkpoint=ckpt, model_path=ckpt.tinker_path)
             return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
         return {"type": "save_weights_for_sampler", "path": ckpt.tinker_path}
 
@@ -585,8 +687,6 @@ class ModelWorker:
         prepared: list[tuple[Op, wire.ForwardBackwardBatch, list[Any], Any]],
         forward_only: bool,
     ) -> list[tuple[list[dict[str, Any]], dict[str, float]]]:
-        import torch
-
         from training import ops as engine_ops
         from training.losses import LossBatch, get_loss
 
@@ -606,9 +706,10 @@ class ModelWorker:
         def grouped_loss(lb: LossBatch, _config: Mapping[str, float]) -> tuple[Any, dict[str, Any]]:
             total = None
             for rows, fn, config in groups:
-                index = torch.tensor(rows, device=lb.logprobs.device)
+                # A request's rows are contiguous: its loss sees a view of the batch.
+                part = slice(rows[0], rows[-1] + 1)
                 sub = LossBatch(
-                    lb.logprobs[index], {k: v[index] for k, v in lb.inputs.items()}, lb.mask[index]
+                    lb.logprobs[part], {k: v[part] for k, v in lb.inputs.items()}, lb.mask[part]
                 )
                 loss, metrics = fn(sub, config)
                 values = {k: float(v.detach()) for k, v in metrics.items()}
@@ -688,13 +789,15 @@ class ModelWorker:
         return key
 
     def _run_samples(self, ops: list[Op]) -> None:
-        from training.sampler import generate, sequence_logprobs
+        from training.sampler import generate
         from training.types import SamplingParams
 
         rows_prompts: list[list[int]] = []
         rows_params: list[Any] = []
         rows_keys: list[str | None] = []
         rows_index: list[int] = []
+        rows_eos: list[bool] = []
+        rows_topk: list[int] = []
         owners: list[tuple[Op, list[int], str | None, list[int]]] = []
         try:
             for op in ops:
@@ -711,10 +814,11 @@ class ModelWorker:
                         stop=tuple(sp.get("stop_strings") or ()),
                         stop_token_ids=tuple(sp.get("stop_ids") or ()),
                     )
+                    prompt = [int(t) for t in f["prompt"]]
+                    self._check_vocabulary(prompt, f.get("targets"))
                 except (RequestError, ValueError, KeyError) as exc:
                     futures.fail(op.rid, str(exc), "user")
                     continue
-                prompt = [int(t) for t in f["prompt"]]
                 rows = []
                 for j in range(int(f["n"])):
                     rows.append(len(rows_prompts))
@@ -722,6 +826,8 @@ class ModelWorker:
                     rows_params.append(params)
                     rows_keys.append(key)
                     rows_index.append(j)
+                    rows_eos.append(bool(sp.get("stop_on_eos", True)))
+                    rows_topk.append(int(sp.get("topk") or 0))
                 owners.append((op, rows, key, prompt))
             if not owners:
                 return
@@ -734,24 +840,15 @@ class ModelWorker:
                     adapters=rows_keys,
                     host=self.engine.host,
                     sample_indices=rows_index,
+                    stop_on_eos=rows_eos,
+                    topk_logprobs=rows_topk,
                 )
-                wants = [o for o in owners if o[0].fields.get("prompt_logprobs")]
-                prompt_lps = (
-                    sequence_logprobs(
-                        self.engine.model,
-                        [o[3] for o in wants],
-                        adapters=[o[2] for o in wants],
-                        host=self.engine.host,
-                    )
-                    if wants
-                    else []
-                )
+                scored = self._score_prompts(owners)
             except Exception as exc:
                 log.exception("sampling batch failed")
                 for op, *_ in owners:
                     futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
                 return
-            lp_of = {id(o[0]): lp for o, lp in zip(wants, prompt_lps, strict=True)}
             for op, rows, _key, _prompt in owners:
                 if op.fields.get("record"):
                     team = str((futures.get(op.rid) or {}).get("team", ""))
@@ -764,15 +861,85 @@ class ModelWorker:
                         tokens=seqs[i].tokens,
                         stop_reason=seqs[i].stop_reason,
                         logprobs=seqs[i].logprobs,
+                        topk_logprobs=seqs[i].topk_logprobs,
                     )
                     for i in rows
                 ]
-                prompt_lp = lp_of.get(id(op))
-                proto = wire.encode_sample_response(out, protobuf=True, prompt_logprobs=prompt_lp)
-                plain = wire.encode_sample_response(out, protobuf=False, prompt_logprobs=prompt_lp)
+                extra = scored.get(id(op), {})
+                proto = wire.encode_sample_response(out, protobuf=True, **extra)
+                plain = wire.encode_sample_response(out, protobuf=False, **extra)
                 futures.complete(op.rid, json_body=plain.content, proto_body=proto.content)
         finally:
             futures.samples_answered(self.base, len(ops))
+
+    def _check_vocabulary(self, prompt: list[int], targets: list[list[int]] | None) -> None:
+        """Token ids beyond the vocabulary fail their own request, not the whole batch."""
+        vocab = int(self.engine.model.config.vocab_size)
+        for where, ids in (("prompt", prompt), ("target_prompt_logprobs", targets or [])):
+            flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if flat.size and int(flat.max()) >= vocab:
+                raise RequestError(
+                    f"{where}: token id {int(flat.max())} is outside the vocabulary [0, {vocab})"
+                )
+
+    def _score_prompts(
+        self, owners: list[tuple[Op, list[int], str | None, list[int]]]
+    ) -> dict[int, dict[str, Any]]:
+        """One forward over the prompts of the requests that ask for prompt logprobs, top-k
+        prompt logprobs, target logprobs or alternative draws; per request (by ``id(op)``),
+        the keyword arguments of ``wire.encode_sample_response``."""
+        import torch
+
+        from training.sampler import PromptScoring, score_prompts
+
+        wants: list[tuple[Op, wire.PromptTargets | None]] = []
+        scorings: list[PromptScoring] = []
+        for op, _rows, key, prompt in owners:
+            f = op.fields
+            targets = None
+            if f.get("targets") is not None:
+                csr = f.get("targets_csr")
+                targets = wire.PromptTargets(
+                    ids=np.asarray(f["targets"], dtype=np.int64).reshape(len(prompt) - 1, -1),
+                    csr=None if csr is None else (list(csr[0]), list(csr[1])),
+                )
+            scoring = PromptScoring(
+                tokens=prompt,
+                adapter=key,
+                logprobs=bool(f.get("prompt_logprobs")),
+                topk=int(f.get("topk_prompt") or 0),
+                last_n=f.get("last_n"),
+                targets=None if targets is None else torch.from_numpy(targets.ids),
+                alt_k=int(f.get("alt_k") or 0),
+                temperature=float(f["params"]["temperature"]),
+                seed=f["params"].get("seed"),
+            )
+            if scoring.logprobs or scoring.topk or scoring.alt_k or targets is not None:
+                wants.append((op, targets))
+                scorings.append(scoring)
+        if not scorings:
+            return {}
+        results = score_prompts(self.engine.model, scorings, host=self.engine.host)
+        out: dict[int, dict[str, Any]] = {}
+        for (op, targets), scoring, res in zip(wants, scorings, results, strict=True):
+            extra: dict[str, Any] = {}
+            if scoring.logprobs:
+                extra["prompt_logprobs"] = res.logprobs
+            if scoring.topk:
+                extra["topk_prompt_logprobs"] = res.topk
+            if targets is not None and res.target_logprobs is not None:
+                data, csr = targets.answer(res.target_logprobs.numpy())
+                extra["target_prompt_logprobs"] = wire.TensorOut(
+                    data=data, shape=list(targets.ids.shape), csr=csr
+                )
+            if res.alt_tokens is not None and res.alt_logprobs is not None:
+                shape = list(res.alt_tokens.shape)
+                extra["prompt_alt_tokens"] = (
+                    wire.TensorOut(data=res.alt_tokens.numpy().astype(np.int64), shape=shape),
+                    wire.TensorOut(data=res.alt_logprobs.numpy().astype(np.float32), shape=shape),
+                )
+            out[id(op)] = extra
+        return out
 
     # ---------------------------------------------------------------- shutdown
 
@@ -786,15 +953,29 @@ class ModelWorker:
         self.pending.clear()
         self.samples = []
 
+    def drain(self, seconds: float) -> None:
+        """Run what has been read and is runnable, for at most ``seconds``; requests still in
+        the stream stay there for the next worker of this base model."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.has_runnable() and self.step():
+            pass
+
     def serve(self) -> str:
         """Run until idle for ``idle_seconds()`` or stopped; returns why it ended."""
         idle = idle_seconds()
         next_reap = time.monotonic() + REAP_SECONDS
+        next_stop_check = time.monotonic() + STOP_CHECK_SECONDS
         while not self.stopping.is_set():
             if time.monotonic() > next_reap:
                 next_reap = time.monotonic() + REAP_SECONDS
                 self.reap_sessions()
+            if time.monotonic() > next_stop_check:
+                next_stop_check = time.monotonic() + STOP_CHECK_SECONDS
+                if control.is_stopping():
+                    self.drain(STOP_DRAIN_SECONDS)
+                    return "shutdown"
             self.read(0 if self.has_runnable() else 200)
+            self.gather_batch()
             if self.step():
                 continue
             quiet = not self.pending and not self.samples

@@ -262,9 +262,9 @@ class SamplingParams(RequestModel):
 
 class SampleRequest(RequestModel):
     """``POST /asample``. ``prompt_logprobs`` asks for one logprob per prompt token (None at
-    position 0); ``topk_*`` ask for top-k lists. Features this server does not implement are
-    refused by ``unsupported_features`` rather than silently dropped, since the SDK checks
-    that they came back."""
+    position 0); ``topk_*`` ask for top-k lists; ``target_prompt_logprobs`` names token ids
+    to score per prompt position; ``prompt_alt_tokens_k`` asks for draws per prompt position.
+    The SDK checks that what it asked for came back, so nothing here may be dropped."""
 
     num_samples: int = Field(1, ge=1)
     prompt: ModelInputJson
@@ -280,15 +280,6 @@ class SampleRequest(RequestModel):
     prompt_alt_tokens_k: int = Field(0, ge=0)
     prompt_logprobs_last_n: int | None = Field(None, ge=1)
     record_stability_info: bool | None = None
-
-    def unsupported_features(self) -> list[str]:
-        """Names of requested features the sampler does not implement (empty when none)."""
-        out = []
-        if self.target_prompt_logprobs is not None:
-            out.append("target_prompt_logprobs")
-        if self.prompt_alt_tokens_k:
-            out.append("prompt_alt_tokens_k")
-        return out
 
 
 class FutureRetrieveRequest(RequestModel):
@@ -519,11 +510,18 @@ class SampledSequenceJson(ResponseModel):
     topk_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
+class PromptAltTokensJson(ResponseModel):
+    tokens: TensorDataJson
+    logprobs: TensorDataJson
+
+
 class SampleResponseJson(ResponseModel):
     type: Literal["sample"] = "sample"
     sequences: list[SampledSequenceJson]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: TensorDataJson | None = None
+    prompt_alt_tokens: PromptAltTokensJson | None = None
 
 
 def finite_or_none(value: float) -> float | None:

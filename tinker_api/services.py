@@ -29,7 +29,11 @@ from workers import conf
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 # How long a worker may take from being sent to registering before another start is tried.
 WORKER_START_SECONDS = 120
+# A model's ``last_request`` (shown as its run's last request time) is written at most this often.
+LAST_REQUEST_RESOLUTION = timedelta(seconds=10)
 DEFAULT_MAX_TOKENS = 256
+# Name prefix of the sampler checkpoints of unnamed saves with kind="inflight".
+INFLIGHT_PREFIX = "inflight-"
 
 
 class NotFound(Exception):
@@ -174,8 +178,7 @@ def ensure_worker(base: str) -> s.QueueState:
     report to pollers (``paused_capacity`` while no GPU block is free)."""
     from workers.locktable import GpuLockTable
 
-    current = futures.worker_of(base)
-    if current and futures.worker_alive(current):
+    if futures.worker_active(base):
         return "active"
     if not futures.mark_starting(base, WORKER_START_SECONDS):
         return "active"
@@ -221,14 +224,20 @@ def _submit(
     if seq < 0:
         raise wire.WireError("seq_id must not be negative")
     request_id = futures.new_request_id()
-    futures.create(request_id, team_id=caller.team_id, kind=op["op"], base=model.base_model)
-    earlier = futures.dedupe(f"seq:{model.id}:{seq}", request_id)
-    if earlier is not None:
-        return earlier
-    futures.enqueue(
-        model.base_model, {**op, "rid": request_id, "model": model.id, "seq": seq}, body=body
+    answer = futures.submit(
+        request_id,
+        {**op, "rid": request_id, "model": model.id, "seq": seq},
+        team_id=caller.team_id,
+        base=model.base_model,
+        body=body,
+        dedupe_scope=f"seq:{model.id}:{seq}",
     )
-    TrainingModel.objects.filter(pk=model.pk).update(last_request=timezone.now())
+    if answer != request_id:
+        return answer
+    # A database write per request would cost more than the request's own queueing.
+    now = timezone.now()
+    if now - model.last_request >= LAST_REQUEST_RESOLUTION:
+        TrainingModel.objects.filter(pk=model.pk).update(last_request=now)
     ensure_worker(model.base_model)
     return request_id
 
@@ -258,8 +267,11 @@ def create_model(caller: Caller, req: s.CreateModelRequest) -> tuple[str, str]:
         raise wire.WireError(
             f"lora rank {lora.rank} is over {base.name}'s maximum {base.max_lora_rank}"
         )
-    if not (lora.train_attn or lora.train_mlp):
-        raise wire.WireError("lora_config must train the attention or the MLP layers")
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+        raise wire.WireError(
+            "lora_config: train_attn, train_mlp and train_unembed are all false; nothing to train"
+        )
+    _check_optimizer(req.optimizer_config)
     model_id = wire.model_id_for(session.id, req.model_seq_id)
     model = _model_once(
         caller,
@@ -276,6 +288,18 @@ def create_model(caller: Caller, req: s.CreateModelRequest) -> tuple[str, str]:
     )
     rid = _submit(caller, model, 0, {"op": "create", "config": model.worker_config()})
     return rid, model_id
+
+
+def _check_optimizer(config: s.OptimizerConfig) -> None:
+    """Only AdamW runs here (``optim_step`` takes ``adam_params``): refuse another family at
+    creation, not at the first step."""
+    if config.type != "adamw":
+        raise wire.WireError(
+            f"optimizer_config.type {config.type!r} is not supported by this server; use 'adamw'"
+        )
+    extra = sorted(set(config.model_dump()) - {"type"})
+    if extra:
+        raise wire.WireError(f"optimizer_config: adamw takes no fields, got {extra}")
 
 
 def _model_once(caller: Caller, session: Any, model_id: str, **fields: Any) -> TrainingModel:
@@ -417,7 +441,10 @@ def save_weights_for_sampler(caller: Caller, req: s.SaveWeightsForSamplerRequest
     if req.path is not None:
         name = req.path
     else:
-        name = f"session-{req.sampling_session_seq_id}-seq-{req.seq_id}"
+        # "inflight" saves are marked by name: each one also moves the model's earlier
+        # inflight sampling sessions onto its weights (modelworker._op_save_sampler).
+        prefix = INFLIGHT_PREFIX if req.kind == "inflight" else "session-"
+        name = f"{prefix}{req.sampling_session_seq_id}-seq-{req.seq_id}"
         sampling_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
         SamplingSession.objects.get_or_create(
             id=sampling_id,
@@ -446,6 +473,11 @@ def save_weights_for_sampler(caller: Caller, req: s.SaveWeightsForSamplerRequest
 
 def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
     """(request_id, model_id): into an existing model (legacy) or a new one from the state."""
+    if req.weights_access_token is not None:
+        raise wire.WireError(
+            "weights_access_token: this server does not load another account's checkpoints; "
+            "load a checkpoint of your own team without a token"
+        )
     ckpt = get_checkpoint(caller, req.path)
     if ckpt.kind != Checkpoint.Kind.TRAINING:
         raise wire.WireError(f"{req.path} holds sampler weights; load a tinker://.../weights/ path")
@@ -460,7 +492,14 @@ def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
         )
         return rid, model.id
     session = live_session(caller, req.session_id or "")
+    if req.optimizer_config is not None:
+        _check_optimizer(req.optimizer_config)
     source = ckpt.model
+    if req.base_model is not None and req.base_model != source.base_model:
+        raise wire.WireError(
+            f"base_model: {req.path} was trained on {source.base_model!r}; this server loads a "
+            f"checkpoint only onto its own base model, not {req.base_model!r}"
+        )
     assert req.model_seq_id is not None
     model_id = wire.model_id_for(session.id, req.model_seq_id)
     model = _model_once(
@@ -542,16 +581,62 @@ def _sampling_target(session: SamplingSession) -> dict[str, Any]:
     }
 
 
+def _stop_params(stop: str | list[str] | list[int] | None) -> dict[str, Any]:
+    """The SDK's three stop forms: None keeps EOS stopping; a string or strings, or token
+    ids, stop as well as EOS; an empty list disables every stop, EOS included."""
+    if stop is None:
+        return {"stop_strings": [], "stop_ids": [], "stop_on_eos": True}
+    if isinstance(stop, str):
+        stop = [stop]
+    if not stop:
+        return {"stop_strings": [], "stop_ids": [], "stop_on_eos": False}
+    if all(isinstance(x, str) for x in stop):
+        if any(x == "" for x in stop):
+            raise wire.WireError("sampling_params.stop: stop strings must not be empty")
+        return {"stop_strings": [str(x) for x in stop], "stop_ids": [], "stop_on_eos": True}
+    ids = [int(x) for x in stop]
+    if any(t < 0 for t in ids):
+        raise wire.WireError("sampling_params.stop: stop token ids must not be negative")
+    return {"stop_strings": [], "stop_ids": ids, "stop_on_eos": True}
+
+
+def _request_sampling_session(caller: Caller, req: s.SampleRequest) -> SamplingSession:
+    """The sampling session a sample runs in. The 0.38 SDK always names one; a request that
+    names ``model_path`` or ``base_model`` instead (older clients, curl) samples from that
+    through an unsaved session that lives for this request only (no seq_id dedupe)."""
+    if req.sampling_session_id is not None:
+        return get_sampling_session(caller, req.sampling_session_id)
+    if req.model_path is None and req.base_model is None:
+        raise wire.WireError("send sampling_session_id, model_path or base_model")
+    if req.model_path is not None:
+        ckpt = get_checkpoint(caller, req.model_path)
+        if ckpt.kind != Checkpoint.Kind.SAMPLER:
+            raise wire.WireError(
+                f"{req.model_path} is a training state; sample from a sampler_weights path"
+            )
+        return SamplingSession(
+            id="",
+            team_id=caller.team_id,
+            base_model=ckpt.model.base_model,
+            model_path=req.model_path,
+            checkpoint=ckpt,
+        )
+    return SamplingSession(
+        id="", team_id=caller.team_id, base_model=base_model(req.base_model or "").name
+    )
+
+
 def sample(
     caller: Caller, req: s.SampleRequest, *, backpressure: bool
 ) -> tuple[str | None, list[str]]:
     """(request_id, sample_sequence_ids); request_id None means "queue full, retry"."""
-    if req.sampling_session_id is None:
-        raise wire.WireError("sampling_session_id is required (create_sampling_session first)")
-    session = get_sampling_session(caller, req.sampling_session_id)
+    session = _request_sampling_session(caller, req)
     prompt = wire.sample_prompt(req)
-    if req.topk_prompt_logprobs or req.topk_sample_logprobs:
-        raise wire.WireError("not supported by this server: top-k logprobs")
+    targets = (
+        None
+        if req.target_prompt_logprobs is None
+        else wire.prompt_targets(req.target_prompt_logprobs, len(prompt))
+    )
     base = base_model(session.base_model)
     sp = req.sampling_params
     room = base.max_context - len(prompt)
@@ -563,23 +648,16 @@ def sample(
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed {base.name}'s "
             f"context of {base.max_context}"
         )
-    stop = sp.stop
-    stop_strings: list[str] = []
-    stop_ids: list[int] = []
-    if isinstance(stop, str):
-        stop_strings = [stop]
-    elif stop:
-        if all(isinstance(x, str) for x in stop):
-            stop_strings = [str(x) for x in stop]
-        else:
-            stop_ids = [int(x) for x in stop]
+    wire.check_topk_sample(req, max_tokens)
+    stop = _stop_params(sp.stop)
     if backpressure and futures.queued_samples(base.name) >= sample_queue_limit():
         return None, []
     target = _sampling_target(session)
     request_id = futures.new_request_id()
     futures.create(request_id, team_id=caller.team_id, kind="sample", base=base.name)
-    seq = req.seq_id if req.seq_id is not None else uuid.uuid4().hex
-    earlier = futures.dedupe(f"sample:{session.id}:{seq}", request_id)
+    earlier = None
+    if session.id and req.seq_id is not None:
+        earlier = futures.dedupe(f"sample:{session.id}:{req.seq_id}", request_id)
     if earlier is not None:
         request_id = earlier
     else:
@@ -592,6 +670,11 @@ def sample(
                 "prompt": prompt,
                 "n": req.num_samples,
                 "prompt_logprobs": bool(req.prompt_logprobs),
+                "topk_prompt": req.topk_prompt_logprobs,
+                "last_n": req.prompt_logprobs_last_n,
+                "targets": None if targets is None else targets.ids.tolist(),
+                "targets_csr": None if targets is None or targets.csr is None else targets.csr,
+                "alt_k": req.prompt_alt_tokens_k,
                 # Sequence ids are "<request_id>:<i>"; the worker records each one's tokens
                 # and logprobs for StableReinforce when asked.
                 "record": bool(req.record_stability_info),
@@ -601,8 +684,8 @@ def sample(
                     "top_p": sp.top_p,
                     "top_k": sp.top_k,
                     "seed": sp.seed,
-                    "stop_strings": stop_strings,
-                    "stop_ids": stop_ids,
+                    "topk": req.topk_sample_logprobs,
+                    **stop,
                 },
             },
         )

@@ -277,15 +277,80 @@ def parse_json(model: type[ModelT], body: bytes) -> ModelT:
         raise WireError(f"invalid {model.__name__}: {_first_errors(exc)}") from None
 
 
+# Bound on what one sampling request may ask the server to compute and send back per
+# feature: prompt positions x top-k width (or x distinct target ids, or x draws), and
+# generated tokens x top-k width. 4M cells is 32 MB of ids and logprobs.
+MAX_SCORE_CELLS = 1 << 22
+
+
+@dataclass
+class PromptTargets:
+    """``SampleRequest.target_prompt_logprobs``: token ids per prompt position (row i scores
+    position i + 1), ``-1`` where nothing is asked; ``csr`` keeps a sparse request's layout,
+    which the answer repeats."""
+
+    ids: np.ndarray  # int64 (len(prompt) - 1, K), -1 in unlisted cells
+    csr: tuple[list[int], list[int]] | None = None
+
+    def answer(self, values: np.ndarray) -> tuple[np.ndarray, tuple[list[int], list[int]] | None]:
+        """The answer's data in the request's layout: every cell when dense, the listed cells
+        (row by row) when sparse."""
+        if self.csr is None:
+            return values.astype(np.float32), None
+        crow, col = self.csr
+        rows = np.repeat(np.arange(len(crow) - 1), np.diff(np.asarray(crow, dtype=np.int64)))
+        return values[rows, np.asarray(col, dtype=np.int64)].astype(np.float32), self.csr
+
+
+def prompt_targets(td: s.TensorDataJson, prompt_len: int) -> PromptTargets:
+    """Check and expand ``target_prompt_logprobs`` for a prompt of ``prompt_len`` tokens."""
+    where = "target_prompt_logprobs"
+    if td.dtype != "int64":
+        raise WireError(f"{where}: must be an int64 tensor of token ids, got {td.dtype}")
+    shape = list(td.shape or [])
+    if len(shape) != 2:
+        raise WireError(f"{where}: must be two-dimensional [len(prompt) - 1, K], got {shape}")
+    if shape[0] != prompt_len - 1:
+        raise WireError(
+            f"{where}: needs exactly len(prompt) - 1 = {prompt_len - 1} rows (row i scores "
+            f"prompt position i + 1), got {shape[0]}"
+        )
+    if any(v is None or (isinstance(v, float) and not v.is_integer()) for v in td.data):
+        raise WireError(f"{where}: data must be integer token ids")
+    try:
+        values = np.asarray(td.data, dtype=np.int64).reshape(-1)
+    except OverflowError:
+        raise WireError(f"{where}: a token id does not fit in int64") from None
+    csr = None
+    if td.sparse_crow_indices is None and td.sparse_col_indices is None:
+        ids = _shaped(values, shape, where)
+    elif td.sparse_crow_indices is None or td.sparse_col_indices is None:
+        raise WireError(f"{where}: sparse_crow_indices and sparse_col_indices come together")
+    else:
+        crow = [int(v) for v in td.sparse_crow_indices]
+        col = [int(v) for v in td.sparse_col_indices]
+        crow_arr, col_arr = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+        ids = _dense_from_csr(values, crow_arr, col_arr, shape, where, fill=-1)
+        csr = (crow, col)
+    if ids.size and int(ids.min()) < -1:
+        raise WireError(f"{where}: token ids must be 0 or more (-1 asks for nothing)")
+    distinct = np.unique(ids[ids >= 0]).size
+    if distinct == 0:
+        raise WireError(f"{where}: names no token id (every cell is -1)")
+    if prompt_len * distinct > MAX_SCORE_CELLS:
+        raise WireError(
+            f"{where}: len(prompt) x distinct ids = {prompt_len * distinct}, over the "
+            f"limit of {MAX_SCORE_CELLS}"
+        )
+    return PromptTargets(ids=ids, csr=csr)
+
+
 def sample_prompt(req: s.SampleRequest) -> list[int]:
     """The prompt tokens of an ``/asample`` request, after the checks the SDK makes on its
-    side (``sampling_client.py``) and the refusal of features this server lacks."""
+    side (``sampling_client.py``) and the bounds on what one request may ask for."""
     tokens = model_input_tokens(req.prompt)
     if not tokens:
         raise WireError("prompt has no tokens")
-    unsupported = req.unsupported_features()
-    if unsupported:
-        raise WireError(f"not supported by this server: {', '.join(unsupported)}")
     if req.prompt_logprobs_last_n is not None:
         if not req.prompt_logprobs:
             raise WireError("prompt_logprobs_last_n requires prompt_logprobs")
@@ -293,7 +358,26 @@ def sample_prompt(req: s.SampleRequest) -> list[int]:
             raise WireError(
                 f"prompt_logprobs_last_n must be between 1 and {len(tokens) - 1} for this prompt"
             )
+    for name, k in (
+        ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+        ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+    ):
+        if len(tokens) * k > MAX_SCORE_CELLS:
+            raise WireError(
+                f"{name}: len(prompt) x {k} = {len(tokens) * k}, over the limit of "
+                f"{MAX_SCORE_CELLS}"
+            )
     return tokens
+
+
+def check_topk_sample(req: s.SampleRequest, max_tokens: int) -> None:
+    """Bound ``topk_sample_logprobs`` once ``max_tokens`` is known."""
+    cells = req.num_samples * max_tokens * req.topk_sample_logprobs
+    if cells > MAX_SCORE_CELLS:
+        raise WireError(
+            f"topk_sample_logprobs: num_samples x max_tokens x k = {cells}, over the limit of "
+            f"{MAX_SCORE_CELLS}"
+        )
 
 
 def model_input_tokens(model_input: s.ModelInputJson, *, where: str = "prompt") -> list[int]:
@@ -423,10 +507,17 @@ def _shaped(values: np.ndarray, shape: list[int], where: str) -> np.ndarray:
 
 
 def _dense_from_csr(
-    values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: list[int], where: str
+    values: np.ndarray,
+    crow: np.ndarray,
+    col: np.ndarray,
+    shape: list[int],
+    where: str,
+    *,
+    fill: float = 0,
 ) -> np.ndarray:
     """Expand CSR like ``torch.sparse_csr_tensor(...).to_dense()``, checking the same
-    invariants torch checks, so a bad index is a user error rather than a crash."""
+    invariants torch checks, so a bad index is a user error rather than a crash. Unlisted
+    cells hold ``fill``."""
     if len(shape) != 2 or shape[0] < 0 or shape[1] < 0:
         raise WireError(f"{where}: a sparse tensor needs a two-dimensional shape, got {shape}")
     rows, cols = shape
@@ -449,7 +540,7 @@ def _dense_from_csr(
     same_row = row_of[1:] == row_of[:-1]
     if (col[1:][same_row] <= col[:-1][same_row]).any():
         raise WireError(f"{where}: column indices must increase within each row")
-    dense = np.zeros((rows, cols), dtype=values.dtype)
+    dense = np.full((rows, cols), fill, dtype=values.dtype)
     dense[row_of, col] = values
     return dense
 
@@ -654,16 +745,52 @@ def _topk_json(rows: Sequence[TopkRow] | None) -> list[list[tuple[int, float]] |
     return [None if not r else [(int(t), float(lp)) for t, lp in r] for r in rows]
 
 
+@dataclass
+class TensorOut:
+    """A tensor of a sampling answer: dense ``data`` of ``shape``, or the values of the
+    cells a CSR layout lists (``csr`` = crow, col indices)."""
+
+    data: np.ndarray
+    shape: list[int]
+    csr: tuple[list[int], list[int]] | None = None
+
+    def proto(self, target: Any) -> None:
+        is_float = self.data.dtype.kind == "f"
+        target.dtype = _proto.DTYPE_FLOAT32 if is_float else _proto.DTYPE_INT64
+        raw = np.ascontiguousarray(self.data, dtype="<f4" if is_float else "<i8").tobytes()
+        target.shape.extend(self.shape)
+        if self.csr is None:
+            target.dense = raw
+        else:
+            target.sparse_csr.values = raw
+            target.sparse_csr.crow_indices = np.asarray(self.csr[0], dtype="<i8").tobytes()
+            target.sparse_csr.col_indices = np.asarray(self.csr[1], dtype="<i8").tobytes()
+
+    def json(self) -> s.TensorDataJson:
+        is_float = self.data.dtype.kind == "f"
+        flat = self.data.reshape(-1).tolist()
+        return s.TensorDataJson(
+            data=[s.finite_or_none(v) for v in flat] if is_float else flat,
+            dtype="float32" if is_float else "int64",
+            shape=self.shape,
+            sparse_crow_indices=None if self.csr is None else self.csr[0],
+            sparse_col_indices=None if self.csr is None else self.csr[1],
+        )
+
+
 def encode_sample_response(
     sequences: Sequence[SampledSequenceOut],
     *,
     protobuf: bool,
     prompt_logprobs: Sequence[float | None] | np.ndarray | None = None,
     topk_prompt_logprobs: Sequence[TopkRow] | None = None,
+    target_prompt_logprobs: TensorOut | None = None,
+    prompt_alt_tokens: tuple[TensorOut, TensorOut] | None = None,
 ) -> EncodedBody:
     """Encode a sampling result. ``prompt_logprobs`` has one entry per prompt token, None
     (or NaN) where undefined, position 0 always; it goes out as NaN in protobuf and null in
-    JSON, which the SDK turns back into None."""
+    JSON, which the SDK turns back into None. ``target_prompt_logprobs`` answers in the
+    request's layout; ``prompt_alt_tokens`` is (tokens, logprobs)."""
     for i, seq in enumerate(sequences):
         if seq.stop_reason not in ("stop", "length"):
             raise ValueError(f"sequences[{i}]: stop_reason must be 'stop' or 'length'")
@@ -694,6 +821,16 @@ def encode_sample_response(
             if prompt_lp is None
             else [s.finite_or_none(v) for v in prompt_lp.tolist()],
             topk_prompt_logprobs=_topk_json(topk_prompt_logprobs),
+            target_prompt_logprobs=(
+                None if target_prompt_logprobs is None else target_prompt_logprobs.json()
+            ),
+            prompt_alt_tokens=(
+                None
+                if prompt_alt_tokens is None
+                else s.PromptAltTokensJson(
+                    tokens=prompt_alt_tokens[0].json(), logprobs=prompt_alt_tokens[1].json()
+                )
+            ),
         )
         return EncodedBody(body.model_dump_json().encode(), JSON)
 
@@ -712,6 +849,11 @@ def encode_sample_response(
         msg.prompt_logprobs = prompt_lp.astype("<f4").tobytes()
     if topk_prompt_logprobs is not None:
         _topk_proto(topk_prompt_logprobs, msg.topk_prompt_logprobs)
+    if target_prompt_logprobs is not None:
+        target_prompt_logprobs.proto(msg.target_prompt_logprobs)
+    if prompt_alt_tokens is not None:
+        prompt_alt_tokens[0].proto(msg.prompt_alt_tokens.tokens)
+        prompt_alt_tokens[1].proto(msg.prompt_alt_tokens.logprobs)
     return EncodedBody(msg.SerializeToString(), PROTOBUF)
 
 

@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.lora import ALL_LINEAR, DEFAULT_TARGET_MODULES, LoRAHost
+from training.lora import (
+    ALL_LINEAR,
+    DEFAULT_TARGET_MODULES,
+    LoRAHost,
+    output_layer_name,
+    resolve_target_modules,
+)
 from training.policy import LoRAConfig, Policy
 
 
@@ -47,8 +53,11 @@ class Engine:
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
-        # Wrap every Linear once; each policy registers weights only on its own targets.
-        self.host = LoRAHost(model, ALL_LINEAR)
+        # Wrap every Linear once, the output head included (LoRA on the unembedding); each
+        # policy registers weights only on its own targets.
+        wrapped = resolve_target_modules(model, ALL_LINEAR)
+        head = output_layer_name(model)
+        self.host = LoRAHost(model, wrapped + [head] if head else wrapped)
         self.policies: dict[str, Policy] = {}
         self._counter = itertools.count()
 

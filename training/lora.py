@@ -42,6 +42,9 @@ class _Group:
     key: str
     # None: the adapter covers every row, so no gather/scatter is needed.
     rows: torch.Tensor | None
+    # (start, stop) when the rows are one contiguous range (a batch laid out adapter by
+    # adapter): the LoRA path slices them instead of gathering and scattering.
+    span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -53,7 +56,9 @@ class _Stacked:
     """
 
     keys: tuple[str, ...]
-    index: torch.Tensor  # (K * G,) row of x behind each slot entry
+    # (K * G,) row of x behind each slot entry; None when the batch is already K equal
+    # contiguous groups in key order (a view, no gather or scatter).
+    index: torch.Tensor | None
     weight_K_G: torch.Tensor  # (K, G, 1, 1): adapter scaling, 0 on padding
     slots: int  # G
 
@@ -112,8 +117,13 @@ class MultiLoRALinear(nn.Module):
                 # This adapter does not target this module.
                 continue
             lora_a, lora_b, scaling = entry
-            rows = group.rows
-            xs = x if rows is None else x.index_select(0, rows)
+            rows, span = group.rows, group.span
+            if rows is None:
+                xs = x
+            elif span is not None:
+                xs = x[span[0] : span[1]]
+            else:
+                xs = x.index_select(0, rows)
             if xs.dtype != lora_a.dtype:
                 xs = xs.to(lora_a.dtype)
             hidden = F.linear(xs, lora_a)  # (..., r)
@@ -127,11 +137,27 @@ class MultiLoRALinear(nn.Module):
             delta = F.linear(hidden, lora_b)
             if delta.dtype != out.dtype:
                 delta = delta.to(out.dtype)
+            # In place is safe for autograd: F.linear does not save its output.
             if rows is None:
                 out = out + delta * scaling
+            elif span is not None:
+                out[span[0] : span[1]].add_(delta, alpha=scaling)
             else:
-                # In place is safe for autograd: F.linear does not save its output.
                 out.index_add_(0, rows, delta, alpha=scaling)
+        return out
+
+    def routed_adapters(
+        self,
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float]]:
+        """(batch rows or None for all, A, B, scaling) of each adapter of the current route
+        that targets this module: for callers that apply the module to positions gathered
+        from many rows (the output head of the training forward) and add the deltas
+        themselves."""
+        out = []
+        for group in self._state.groups:
+            entry = self.adapters.get(group.key)
+            if entry is not None:
+                out.append((group.rows, *entry))
         return out
 
     def _forward_stacked(
@@ -152,6 +178,13 @@ class MultiLoRALinear(nn.Module):
         length = x.shape[1]
         a_K = torch.stack(a_list)  # (K, r, in)
         b_K = torch.stack(b_list)  # (K, out, r)
+        if stacked.index is None:
+            xs = x.reshape(num_keys, slots * length, -1).to(dtype)
+            hidden = torch.bmm(xs, a_K.transpose(1, 2)) * stacked.weight_K_G[:, 0]  # (K, G*T, r)
+            # out + delta in one kernel; out-of-place since the view spans the whole batch.
+            return torch.baddbmm(
+                out.reshape(num_keys, slots * length, -1), hidden, b_K.transpose(1, 2)
+            ).view(out.shape)
         xs = x.index_select(0, stacked.index).reshape(num_keys, slots * length, -1)
         hidden = torch.bmm(xs.to(dtype), a_K.transpose(1, 2))  # (K, G*T, r)
         hidden = (hidden.view(num_keys, slots, length, rank) * stacked.weight_K_G).view(
@@ -166,15 +199,25 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def output_layer_name(model: nn.Module) -> str | None:
+    """Module name of the model's output projection (the unembedding, e.g. "lm_head")."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    output_layer = get_output() if callable(get_output) else None
+    if not isinstance(output_layer, (nn.Linear, MultiLoRALinear)):
+        return None
+    return next((name for name, m in model.named_modules() if m is output_layer), None)
+
+
 def resolve_target_modules(model: nn.Module, target_modules: str | Iterable[str]) -> list[str]:
     """Full module names of the Linear layers selected by `target_modules`.
 
     `"all-linear"` selects every Linear except the output projection (as peft does);
-    otherwise entries match a module name exactly or its last dotted components.
+    otherwise entries match a module name exactly or its last dotted components, so the
+    output projection is selected only by its name (LoRA on the unembedding).
     """
     output_layer: nn.Module | None = None
     get_output = getattr(model, "get_output_embeddings", None)
-    if callable(get_output):
+    if callable(get_output) and target_modules == ALL_LINEAR:
         output_layer = get_output()
     linear_types = (nn.Linear, MultiLoRALinear)
     if isinstance(target_modules, str):
@@ -324,10 +367,13 @@ class LoRAHost:
             if len(rows) == len(keys):
                 groups.append(_Group(key, None))
             else:
-                groups.append(_Group(key, torch.tensor(rows, dtype=torch.long, device=device)))
+                # Rows are listed in increasing order: contiguous iff first..last has no gap.
+                span = (rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else None
+                tensor = torch.tensor(rows, dtype=torch.long, device=device)
+                groups.append(_Group(key, tensor, span))
         stacked = None
         if len(rows_by_key) >= max(2, self.stack_min_adapters):
-            stacked = self._stack(rows_by_key, device)
+            stacked = self._stack(rows_by_key, len(keys), device)
         with self._lock:
             state = self._state
             previous = (state.groups, state.num_rows, state.stacked)
@@ -337,7 +383,9 @@ class LoRAHost:
             finally:
                 state.groups, state.num_rows, state.stacked = previous
 
-    def _stack(self, rows_by_key: dict[str, list[int]], device: torch.device) -> _Stacked:
+    def _stack(
+        self, rows_by_key: dict[str, list[int]], num_rows: int, device: torch.device
+    ) -> _Stacked:
         slots = max(len(rows) for rows in rows_by_key.values())
         index: list[int] = []
         weight: list[list[float]] = []
@@ -347,9 +395,10 @@ class LoRAHost:
             scaling = self._scalings[key]
             weight.append([scaling] * len(rows) + [0.0] * pad)
         dtype = next(iter(self.modules.values())).weight.dtype
+        in_order = index == list(range(num_rows))
         return _Stacked(
             keys=tuple(rows_by_key),
-            index=torch.tensor(index, dtype=torch.long, device=device),
+            index=None if in_order else torch.tensor(index, dtype=torch.long, device=device),
             weight_K_G=torch.tensor(weight, dtype=dtype, device=device)[:, :, None, None],
             slots=slots,
         )

@@ -9,6 +9,7 @@ attention mask is needed and the padded positions are simply excluded from the l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.lora import MultiLoRALinear
 from training.losses import LOSSES, LossBatch, LossFn, get_loss
 from training.policy import Policy
 from training.types import AdamParams, Datum, FwdBwdResult
@@ -171,9 +173,158 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         )
 
 
-def _head_logprobs(
-    head: nn.Module, hidden_N_H: torch.Tensor, targets_N: torch.Tensor
+class _ChunkedLoRAHeadLogprob(torch.autograd.Function):
+    """log_softmax(h @ W^T + b + s * (h @ A^T) @ B^T)[target], chunk by chunk: the output
+    head with a LoRA adapter (LoRA on the unembedding), without saving the logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden_N_H: torch.Tensor,
+        weight_V_H: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        a_R_H: torch.Tensor,
+        b_V_R: torch.Tensor,
+        targets_N: torch.Tensor,
+        scaling: float,
+        chunk: int,
+    ) -> torch.Tensor:
+        out = torch.empty(hidden_N_H.shape[0], device=hidden_N_H.device)
+        for start in range(0, hidden_N_H.shape[0], chunk):
+            h = hidden_N_H[start : start + chunk]
+            logits = _lora_head_logits(h, weight_V_H, bias_V, a_R_H, b_V_R, scaling)
+            picked = logits.gather(1, targets_N[start : start + chunk, None])[:, 0]
+            out[start : start + chunk] = picked - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, a_R_H, b_V_R, targets_N)
+        ctx.scaling, ctx.chunk = scaling, chunk  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_N: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors  # type: ignore[attr-defined]
+        hidden_N_H, weight_V_H, bias_V, a_R_H, b_V_R, targets_N = saved
+        scaling, chunk = ctx.scaling, ctx.chunk  # type: ignore[attr-defined]
+        need_h, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        grad_h = torch.zeros_like(hidden_N_H) if need_h else None
+        grad_w = torch.zeros_like(weight_V_H, dtype=torch.float32) if need_w else None
+        grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
+        grad_a = torch.zeros_like(a_R_H, dtype=torch.float32) if need_a else None
+        grad_b = torch.zeros_like(b_V_R, dtype=torch.float32) if need_b else None
+        a32, b32 = a_R_H.float(), b_V_R.float()
+        for start in range(0, hidden_N_H.shape[0], chunk):
+            stop = start + chunk
+            h = hidden_N_H[start:stop]
+            g = grad_N[start:stop]
+            logits = _lora_head_logits(h, weight_V_H, bias_V, a_R_H, b_V_R, scaling)
+            # d logprob[t] / d logits = onehot(t) - softmax(logits)
+            dlogits = torch.softmax(logits, dim=-1)
+            dlogits.mul_(-g[:, None])
+            dlogits.scatter_add_(1, targets_N[start:stop, None], g[:, None])
+            d_hidden_r = (dlogits @ b32) * scaling  # (c, r)
+            h32 = h.float()
+            if grad_h is not None:
+                base = (dlogits.to(weight_V_H.dtype) @ weight_V_H).float()
+                grad_h[start:stop] = (base + d_hidden_r @ a32).to(h.dtype)
+            if grad_w is not None:
+                grad_w += dlogits.t() @ h32
+            if grad_bias is not None:
+                grad_bias += dlogits.sum(dim=0)
+            if grad_a is not None:
+                grad_a += d_hidden_r.t() @ h32
+            if grad_b is not None:
+                grad_b += dlogits.t() @ (h32 @ a32.t()) * scaling
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight_V_H.dtype),
+            None if grad_bias is None else grad_bias.to(bias_V.dtype),
+            None if grad_a is None else grad_a.to(a_R_H.dtype),
+            None if grad_b is None else grad_b.to(b_V_R.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _lora_head_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
+    """(N, V) float32 logits of an output head carrying a LoRA adapter."""
+    delta = F.linear(F.linear(h.to(a.dtype), a), b).float()
+    return F.linear(h, weight, bias).float() + delta * scaling
+
+
+def _adapted_head_logprobs(
+    head: MultiLoRALinear,
+    adapters: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float]],
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    rows_N: torch.Tensor | None,
+) -> torch.Tensor:
+    """Target log-probs through an output head that adapters of the current route target:
+    each position gets the adapter of the batch row it came from (`rows_N`)."""
+    n, vocab = hidden_N_H.shape[0], head.out_features
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    covered = torch.zeros(n, dtype=torch.bool, device=hidden_N_H.device)
+    for rows, a, b, scaling in adapters:
+        if rows is None:
+            index = torch.arange(n, device=hidden_N_H.device)
+        else:
+            if rows_N is None:
+                raise ValueError("adapters route some rows only: rows_N is required")
+            index = torch.isin(rows_N, rows).nonzero().squeeze(1)
+        covered[index] = True
+        h, t = hidden_N_H[index], targets_N[index]
+        if index.numel() * vocab > _HEAD_CHUNK_ELEMENTS:
+            chunk = max(1, _HEAD_CHUNK_ELEMENTS // vocab)
+            values = _ChunkedLoRAHeadLogprob.apply(
+                h, head.weight, head.bias, a, b, t, scaling, chunk
+            )
+        else:
+            logits = _lora_head_logits(h, head.weight, head.bias, a, b, scaling)
+            values = -F.cross_entropy(logits, t, reduction="none")
+        parts.append((index, values))
+    rest = (~covered).nonzero().squeeze(1)
+    if rest.numel():
+        plain = _head_logprobs(_plain_linear(head), hidden_N_H[rest], targets_N[rest])
+        parts.append((rest, plain))
+    out = torch.zeros(n, device=hidden_N_H.device)
+    for index, values in parts:
+        # Out-of-place index_put keeps the autograd graph of every part.
+        out = out.index_put((index,), values.float())
+    return out
+
+
+def _plain_linear(head: MultiLoRALinear) -> nn.Linear:
+    """The base projection of a wrapped head as a Linear sharing its parameters."""
+    linear = nn.Linear(
+        head.in_features, head.out_features, bias=head.bias is not None, device="meta"
+    )
+    linear.weight = head.weight
+    linear.bias = head.bias
+    return linear
+
+
+def _head_logprobs(
+    head: nn.Module,
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    rows_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log p(target) per position through the output `head`; `rows_N` names each position's
+    batch row, which a routed LoRA head (LoRA on the unembedding) needs."""
+    if isinstance(head, MultiLoRALinear):
+        adapters = head.routed_adapters()
+        if adapters:
+            return _adapted_head_logprobs(head, adapters, hidden_N_H, targets_N, rows_N)
+        # The wrapper would refuse positions gathered from many rows: use the base projection.
+        head = _plain_linear(head)
     weight = getattr(head, "weight", None)
     vocab = weight.shape[0] if isinstance(head, nn.Linear) and weight is not None else 0
     if vocab and hidden_N_H.shape[0] * vocab > _HEAD_CHUNK_ELEMENTS:
@@ -208,17 +359,25 @@ def _logprobs_of(
     hidden_N_H = hidden.reshape(batch * length, -1)
     targets_N = targets.reshape(-1)
     head = model.get_output_embeddings()
+    # The batch row of every flattened position, for a head with per-row LoRA adapters.
+    rows_N = torch.arange(batch, device=targets.device).repeat_interleave(length)
     out = torch.zeros(batch * length, device=targets.device)
     if torch.is_grad_enabled() and loss_mask is not None:
         with_grad = (loss_mask.reshape(-1) != 0).nonzero().squeeze(1)
         no_grad = ((loss_mask.reshape(-1) == 0) & (valid.reshape(-1) != 0)).nonzero().squeeze(1)
         with torch.no_grad():
-            out[no_grad] = _head_logprobs(head, hidden_N_H[no_grad], targets_N[no_grad])
-        values = _head_logprobs(head, hidden_N_H[with_grad], targets_N[with_grad])
+            out[no_grad] = _head_logprobs(
+                head, hidden_N_H[no_grad], targets_N[no_grad], rows_N[no_grad]
+            )
+        values = _head_logprobs(
+            head, hidden_N_H[with_grad], targets_N[with_grad], rows_N[with_grad]
+        )
         out = out.index_put((with_grad,), values)
     else:
         real = (valid.reshape(-1) != 0).nonzero().squeeze(1)
-        out = out.index_put((real,), _head_logprobs(head, hidden_N_H[real], targets_N[real]))
+        out = out.index_put(
+            (real,), _head_logprobs(head, hidden_N_H[real], targets_N[real], rows_N[real])
+        )
     return out.view(batch, length)
 
 
@@ -296,31 +455,128 @@ def optim_step(policy: Policy, adam: AdamParams | None = None) -> dict[str, floa
     Clips the global gradient norm when `adam.grad_clip_norm` is set. A non-finite gradient norm
     skips the update (the weights stay as they were) and is reported as `skipped = 1`.
     """
-    adam = adam or AdamParams()
-    policy._check_open()
-    params = [p for p in policy.parameters() if p.grad is not None]
-    if params:
+    return optim_steps([policy], [adam or AdamParams()])[0]
+
+
+# Optimizer options that must agree for two param groups to update in one call.
+_ADAM_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+
+
+def optim_steps(policies: Sequence[Policy], adams: Sequence[AdamParams]) -> list[dict[str, float]]:
+    """`optim_step` of several policies at once, each with its own `AdamParams`.
+
+    The gradient norms of all policies come from one foreach pass and one device->host copy,
+    and the AdamW updates of all policies with equal hyperparameters run as one foreach
+    update; each policy keeps its own parameters, optimizer state, clipping and metrics, so
+    the result equals stepping them one by one.
+    """
+    if len(policies) != len(adams):
+        raise ValueError(f"got {len(adams)} AdamParams for {len(policies)} policies")
+    if len({id(p) for p in policies}) != len(policies):
+        raise ValueError("a policy appears twice in one optim_steps call")
+    for policy in policies:
+        policy._check_open()
+    params_P = [[p for p in policy.parameters() if p.grad is not None] for policy in policies]
+    norms = _grad_norms(params_P)
+    skipped = [not math.isfinite(n) for n in norms]
+    for params, adam, norm in zip(params_P, adams, norms, strict=True):
         clip = adam.grad_clip_norm
-        if clip is not None and clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        norm = float(grad_norm)
-    else:
-        norm = 0.0
-    skipped = not torch.isfinite(torch.tensor(norm)).item()
-    if not skipped:
+        if params and clip is not None and clip > 0 and math.isfinite(norm):
+            # As clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
+            torch._foreach_mul_([p.grad for p in params], min(1.0, clip / (norm + 1e-6)))
+    updates: dict[tuple, list[tuple[torch.optim.Optimizer, dict]]] = {}
+    for policy, adam, skip in zip(policies, adams, skipped, strict=True):
+        if skip:
+            continue
         for group in policy.optimizer.param_groups:
             group["lr"] = adam.learning_rate
             group["betas"] = (adam.beta1, adam.beta2)
             group["eps"] = adam.eps
             group["weight_decay"] = adam.weight_decay
-        policy.optimizer.step()
-        policy.step += 1
-    policy.zero_grad()
-    return {
-        "grad_norm": norm,
-        "learning_rate": adam.learning_rate,
-        "step": float(policy.step),
-        "skipped": float(skipped),
-    }
+            key = (
+                adam.learning_rate,
+                adam.beta1,
+                adam.beta2,
+                adam.eps,
+                adam.weight_decay,
+                type(policy.optimizer),
+                *(group.get(flag) for flag in _ADAM_FLAGS),
+                group.get("decoupled_weight_decay"),
+            )
+            updates.setdefault(key, []).append((policy.optimizer, group))
+    for members in updates.values():
+        _adam_update(members)
+    out = []
+    for policy, adam, norm, skip in zip(policies, adams, norms, skipped, strict=True):
+        if not skip:
+            policy.step += 1
+        policy.zero_grad()
+        out.append(
+            {
+                "grad_norm": norm,
+                "learning_rate": adam.learning_rate,
+                "step": float(policy.step),
+                "skipped": float(skip),
+            }
+        )
+    return out
+
+
+def _grad_norms(params_P: list[list[torch.Tensor]]) -> list[float]:
+    """The global L2 gradient norm of each parameter list (0.0 for an empty one)."""
+    grads = [p.grad for params in params_P for p in params]
+    if not grads:
+        return [0.0] * len(params_P)
+    per_tensor = torch.stack([n.float() for n in torch._foreach_norm(grads)])  # (N,)
+    totals = []
+    start = 0
+    for params in params_P:
+        stop = start + len(params)
+        totals.append(torch.linalg.vector_norm(per_tensor[start:stop]))
+        start = stop
+    return [float(x) for x in torch.stack(totals).cpu().tolist()]
+
+
+@torch.no_grad()
+def _adam_update(members: list[tuple[torch.optim.Optimizer, dict]]) -> None:
+    """One Adam(W) update over the param groups of several optimizers that share every
+    hyperparameter, through each optimizer's own state (what `Adam.step` does per group)."""
+    from torch.optim.adam import adam
+
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    max_exp_avg_sqs: list[torch.Tensor] = []
+    state_steps: list[torch.Tensor] = []
+    has_complex = False
+    for optimizer, group in members:
+        # Adam's own lazy state initialisation, so the state matches what step() writes.
+        has_complex |= optimizer._init_group(  # type: ignore[attr-defined]
+            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        )
+    if not params:
+        return
+    group = members[0][1]
+    beta1, beta2 = group["betas"]
+    adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        state_steps,
+        amsgrad=group["amsgrad"],
+        has_complex=has_complex,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        foreach=group["foreach"],
+        capturable=group["capturable"],
+        differentiable=group["differentiable"],
+        fused=group["fused"],
+        decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+    )

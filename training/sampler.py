@@ -131,12 +131,16 @@ def generate(
     adapters: Sequence[str | None] | None = None,
     host: LoRAHost | None = None,
     sample_indices: Sequence[int] | None = None,
-    stop_on_eos: bool = True,
+    stop_on_eos: bool | Sequence[bool] = True,
+    topk_logprobs: int | Sequence[int] = 0,
 ) -> list[SampledSequence]:
     """Complete each prompt once; row i uses `params[i]` and LoRA adapter `adapters[i]`.
 
     `sample_indices[i]` distinguishes the seeded samples of one request (default: 0).
-    `stop_on_eos=False` decodes to `max_tokens` unless a stop id/string is given (benchmarks).
+    `stop_on_eos=False` (for all rows or per row) decodes to `max_tokens` unless a stop
+    id/string is given. `topk_logprobs` (for all rows or per row): at every generated
+    position, also return the k most likely tokens and their logprobs (same distribution as
+    `logprobs`), most likely first.
     """
     n_rows = len(prompts)
     if n_rows == 0:
@@ -150,6 +154,12 @@ def generate(
     if any(k is not None for k in keys) and host is None:
         raise ValueError("adapters given but no LoRAHost to route them")
     indices = [0] * n_rows if sample_indices is None else list(sample_indices)
+    eos_rows = [stop_on_eos] * n_rows if isinstance(stop_on_eos, bool) else list(stop_on_eos)
+    topk_rows = [topk_logprobs] * n_rows if isinstance(topk_logprobs, int) else list(topk_logprobs)
+    if len(eos_rows) != n_rows or len(topk_rows) != n_rows:
+        raise ValueError(f"stop_on_eos and topk_logprobs need one value per prompt ({n_rows})")
+    if any(k < 0 for k in topk_rows):
+        raise ValueError("topk_logprobs must not be negative")
 
     device = next(model.parameters()).device
     vocab = int(model.config.vocab_size)
@@ -166,8 +176,11 @@ def generate(
                 f"the model's {max_positions} positions"
             )
 
-    base_stops = default_stop_ids(model, tokenizer) if stop_on_eos else []
-    stop_sets = [set(base_stops) | set(p.stop_token_ids) for p in row_params]
+    base_stops = set(default_stop_ids(model, tokenizer)) if any(eos_rows) else set()
+    stop_sets = [
+        (base_stops if eos else set()) | set(p.stop_token_ids)
+        for p, eos in zip(row_params, eos_rows)
+    ]
     stop_strings = [p.stop for p in row_params]
     # A stop string of k characters spans at most 4k byte-level tokens: decode only that tail.
     windows = [4 * max((len(s) for s in strs), default=0) + 1 for strs in stop_strings]
@@ -201,6 +214,8 @@ def generate(
 
     out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
     out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
+    out_topk: list[list[list[tuple[int, float]]]] = [[] for _ in range(n_rows)]
+    max_topk = min(max(topk_rows), vocab)
     reasons: list[str] = ["length"] * n_rows
     active = list(range(n_rows))  # original row index of each batch row
 
@@ -233,14 +248,21 @@ def generate(
     while True:
         gens = [generators[r] for r in active]
         tokens_B = _choose_tokens(logits_B_V, temperature_B, top_p_B, top_k_B, gens, any_filter)
-        logprobs_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, tokens_B.unsqueeze(-1))
+        logp_B_V = torch.log_softmax(logits_B_V, dim=-1)
+        logprobs_B = logp_B_V.gather(-1, tokens_B.unsqueeze(-1))
         tokens_list = tokens_B.tolist()
         logprob_list = logprobs_B.squeeze(-1).tolist()
+        if max_topk:
+            top_lp, top_ids = logp_B_V.topk(max_topk, dim=-1)  # (B, k), most likely first
+            top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
         keep: list[int] = []
         for b, row in enumerate(active):
             token = tokens_list[b]
             out_tokens[row].append(token)
             out_logprobs[row].append(logprob_list[b])
+            if topk_rows[row]:
+                k = topk_rows[row]
+                out_topk[row].append(list(zip(top_ids_list[b][:k], top_lp_list[b][:k])))
             done = token in stop_sets[row]
             if not done and stop_strings[row] and tokenizer is not None:
                 tail = tokenizer.decode(out_tokens[row][-windows[row] :], skip_special_tokens=False)
@@ -276,7 +298,12 @@ def generate(
         next_pos_B = next_pos_B + 1
 
     return [
-        SampledSequence(tokens=out_tokens[i], logprobs=out_logprobs[i], stop_reason=reasons[i])  # type: ignore[arg-type]
+        SampledSequence(
+            tokens=out_tokens[i],
+            logprobs=out_logprobs[i],
+            stop_reason=reasons[i],  # type: ignore[arg-type]
+            topk_logprobs=out_topk[i] if topk_rows[i] else None,
+        )
         for i in range(n_rows)
     ]
 
@@ -363,6 +390,147 @@ def sequence_logprobs(
     logp_B_T = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1))
     logp_B_T = logp_B_T.squeeze(-1).cpu()
     return [[None, *logp_B_T[i, : len(seq) - 1].tolist()] for i, seq in enumerate(sequences)]
+
+
+@dataclass
+class PromptScoring:
+    """What to compute over one prompt's own tokens, in one forward pass.
+
+    Row i of every per-position output covers prompt position i + 1 (position 0 has no
+    preceding context); ``last_n`` limits `logprobs` and `topk` to the last n positions.
+    """
+
+    tokens: list[int]
+    adapter: str | None = None
+    """LoRAHost key; None: the base model."""
+    logprobs: bool = False
+    """log p(tokens[t] | tokens[:t]) per position (None at 0 and before `last_n`)."""
+    topk: int = 0
+    """The k most likely (token, logprob) pairs per position, most likely first."""
+    last_n: int | None = None
+    targets: torch.Tensor | None = None
+    """int64 (len(tokens) - 1, K) token ids to score at each position; -1 asks nothing."""
+    alt_k: int = 0
+    """Draw k tokens per position from the next-token distribution at `temperature`."""
+    temperature: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class PromptScores:
+    logprobs: list[float | None] | None = None
+    topk: list[list[tuple[int, float]] | None] | None = None
+    target_logprobs: torch.Tensor | None = None
+    """float32, the shape of `targets`; 0.0 where the target was -1."""
+    alt_tokens: torch.Tensor | None = None
+    """int64 (len(tokens) - 1, alt_k)."""
+    alt_logprobs: torch.Tensor | None = None
+    """float32 (len(tokens) - 1, alt_k): the model's logprob (T=1) of each draw."""
+
+
+# Rows of one scoring forward are grouped so that their padded logits stay under this many
+# elements (float32), whatever the vocabulary.
+_SCORE_LOGITS_ELEMENTS = 1 << 27
+
+
+@torch.no_grad()
+def score_prompts(
+    model: Any, requests: Sequence[PromptScoring], *, host: LoRAHost | None = None
+) -> list[PromptScores]:
+    """Per request: prompt logprobs, top-k, target logprobs and alternative draws, all from
+    the log-softmax of the raw logits (the distribution `generate` reports logprobs of)."""
+    if not requests:
+        return []
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    for i, rq in enumerate(requests):
+        if len(rq.tokens) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in rq.tokens if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if rq.targets is not None:
+            if rq.targets.dim() != 2 or rq.targets.shape[0] != len(rq.tokens) - 1:
+                raise ValueError(
+                    f"prompt {i}: targets must have shape [{len(rq.tokens) - 1}, K], got "
+                    f"{list(rq.targets.shape)}"
+                )
+            if rq.targets.numel() and int(rq.targets.max()) >= vocab:
+                raise ValueError(
+                    f"prompt {i}: target token id {int(rq.targets.max())} outside the "
+                    f"vocabulary [0, {vocab})"
+                )
+    out: list[PromptScores] = [PromptScores() for _ in requests]
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].tokens))
+    group: list[int] = []
+    for i in order:
+        width = len(requests[i].tokens)
+        if group and (len(group) + 1) * width * vocab > _SCORE_LOGITS_ELEMENTS:
+            _score_group(model, requests, group, out, host, device)
+            group = []
+        group.append(i)
+    if group:
+        _score_group(model, requests, group, out, host, device)
+    return out
+
+
+def _score_group(
+    model: Any,
+    requests: Sequence[PromptScoring],
+    group: list[int],
+    out: list[PromptScores],
+    host: LoRAHost | None,
+    device: torch.device,
+) -> None:
+    width = max(len(requests[i].tokens) for i in group)
+    # Right padding: real tokens keep positions 0..n-1, padding sits after them.
+    ids = torch.zeros((len(group), width), dtype=torch.long)
+    mask = torch.zeros((len(group), width), dtype=torch.long)
+    for row, i in enumerate(group):
+        tokens = requests[i].tokens
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    keys = [requests[i].adapter for i in group]
+    ctx = (
+        host.route(keys) if host is not None and any(k is not None for k in keys) else nullcontext()
+    )
+    with ctx:
+        logits_B_T_V = model(input_ids=ids, attention_mask=mask).logits
+    for row, i in enumerate(group):
+        rq = requests[i]
+        n = len(rq.tokens)
+        # (n - 1, V): the distribution over prompt token t + 1 given tokens[: t + 1].
+        logits = logits_B_T_V[row, : n - 1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        scores = out[i]
+        first = 1 if rq.last_n is None else max(1, n - rq.last_n)
+        if rq.logprobs:
+            picked = logp.gather(-1, ids[row, 1:n].unsqueeze(-1)).squeeze(-1).tolist()
+            scores.logprobs = [None] * first + picked[first - 1 :]
+        if rq.topk:
+            k = min(rq.topk, logp.shape[-1])
+            top_lp, top_ids = logp[first - 1 :].topk(k, dim=-1)
+            scores.topk = [None] * first + [
+                list(zip(ids_row, lp_row))
+                for ids_row, lp_row in zip(top_ids.tolist(), top_lp.tolist())
+            ]
+        if rq.targets is not None:
+            targets = rq.targets.to(device)
+            values = logp.gather(-1, targets.clamp(min=0))
+            scores.target_logprobs = values.masked_fill(targets < 0, 0.0).cpu()
+        if rq.alt_k:
+            if n == 1:
+                draws = torch.zeros((0, rq.alt_k), dtype=torch.long, device=device)
+            elif rq.temperature == 0:
+                draws = logits.argmax(dim=-1, keepdim=True).expand(-1, rq.alt_k)
+            else:
+                probs = torch.softmax(logits / rq.temperature, dim=-1)
+                draws = torch.multinomial(
+                    probs, rq.alt_k, replacement=True, generator=_row_generator(rq.seed, 0, device)
+                )
+            scores.alt_tokens = draws.cpu()
+            scores.alt_logprobs = logp.gather(-1, draws).cpu()
 
 
 def compute_logprobs(

@@ -165,6 +165,8 @@ class SampledSequence:
     """Log-probability of each generated token under the sampling distribution at T=1."""
     stop_reason: StopReason
     """"stop" when a stop token/string ended it, "length" when max_tokens did."""
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
+    """When asked for: per generated position, the k most likely (token, logprob) pairs."""
 
 
 @dataclass

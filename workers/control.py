@@ -1,8 +1,11 @@
-"""Cancelling a job that holds GPUs, and the reaper that ends what its worker abandoned."""
+"""Cancelling a job that holds GPUs, the reaper that ends what its worker abandoned, and the
+flag by which a Celery worker that is shutting down tells its long-running tasks."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -13,11 +16,53 @@ from workers.locktable import GpuLockTable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CANCEL_PREFIX", "cancel_running", "clear_cancel", "is_cancel_requested", "reap"]
+__all__ = [
+    "CANCEL_PREFIX",
+    "cancel_running",
+    "clear_cancel",
+    "clear_stopping",
+    "is_cancel_requested",
+    "is_stopping",
+    "mark_stopping",
+    "reap",
+]
 
 CANCEL_PREFIX = "ot:cancel:"
 # The flag outlives any job; it is deleted when the job's runner ends.
 CANCEL_FLAG_SECONDS = 8 * 24 * 3600
+
+STOPPING_PREFIX = "ot:stopping:"
+STOPPING_FLAG_SECONDS = 3600
+
+
+def _stopping_key(pid: int) -> str:
+    return f"{STOPPING_PREFIX}{socket.gethostname()}:{pid}"
+
+
+def mark_stopping() -> None:
+    """This Celery worker (the calling main process) is shutting down: tasks that serve until
+    idle (model workers) end at their next check instead of holding the shutdown for their idle
+    time. Called from the worker's shutdown handler; Redis being unreachable is not fatal."""
+    try:
+        conf.get_redis().set(_stopping_key(os.getpid()), "1", ex=STOPPING_FLAG_SECONDS)
+    except Exception:  # noqa: BLE001 - a shutdown must not fail on this
+        log.warning("could not flag this worker as stopping", exc_info=True)
+
+
+def clear_stopping() -> None:
+    """Forget a flag left by an earlier worker with this host name and pid (a restarted
+    container runs its worker as the same pid on the same host name)."""
+    try:
+        conf.get_redis().delete(_stopping_key(os.getpid()))
+    except Exception:  # noqa: BLE001 - the broker connection reports an unreachable Redis
+        log.warning("could not clear this worker's stopping flag", exc_info=True)
+
+
+def is_stopping() -> bool:
+    """Whether the Celery worker running this process is shutting down: the parent of a
+    prefork pool child, or this process itself under the solo and threads pools."""
+    keys = {_stopping_key(os.getpid()), _stopping_key(os.getppid())}
+    return bool(conf.get_redis().exists(*keys))
 
 
 def _table() -> GpuLockTable:

@@ -2,8 +2,8 @@
 
 Tasks take primary keys and JSON only. ``run_job`` owns one attempt of one job: it proves it
 still holds the lease, marks the job RUNNING, runs the runner with a background thread
-renewing the lease every TTL/3, finishes the job through ``jobs.services`` and releases the
-GPUs, whatever happened.
+renewing the lease every TTL/3, writes the metrics the runner left buffered, finishes the job
+through ``jobs.services`` and releases the GPUs, whatever happened.
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         message = f"{type(exc).__name__}: {exc}\n{tail}"
         log.exception("job %s failed", job_id)
     finally:
+        # The runner may have buffered a few steps' metrics (cancel, failure, or a runner that
+        # never flushes): they are stored while the attempt is still the job's live one.
+        try:
+            ctx.flush_metrics()
+        except Exception:
+            log.exception("job %s: could not write its last metrics", job_id)
         keeper.stop()
 
     outcome = "lease-lost"

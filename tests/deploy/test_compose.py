@@ -67,3 +67,32 @@ def test_it_only_sets_variables_the_code_reads(service):
         assert re.search(rf"[\"']{name}[\"']", code), f"{service}: {name} is read nowhere"
     settings_module = environment["DJANGO_SETTINGS_MODULE"]
     assert (ROOT / (settings_module.replace(".", "/") + ".py")).is_file()
+
+
+GUNICORN_CONF = "python:opentinker_site.gunicorn_conf"
+
+
+def test_every_gunicorn_command_uses_the_threaded_config():
+    """Long polls (the Tinker API's retrieve_future) would each hold a sync worker."""
+    commands = {
+        "compose web": COMPOSE["services"]["web"]["command"],
+        "Dockerfile": re.search(r"^CMD (\[.*\])$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)[
+            1
+        ],
+        "manage.py serve": (ROOT / "workers/management/commands/serve.py").read_text(),
+    }
+    for where, command in commands.items():
+        assert f'"{GUNICORN_CONF}"' in str(command).replace("'", '"'), where
+
+
+def test_the_gunicorn_config_is_threaded_and_names_real_settings():
+    from gunicorn.config import Config
+
+    module = importlib.import_module(GUNICORN_CONF.removeprefix("python:"))
+    config = Config()
+    names = [n for n in vars(module) if not n.startswith("_")]
+    for name in names:
+        assert name in config.settings, f"gunicorn has no setting {name!r}"
+        config.set(name, getattr(module, name))
+    assert config.worker_class_str == "gthread"
+    assert config.threads >= 8

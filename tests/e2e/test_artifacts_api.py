@@ -2,13 +2,16 @@
 
 No model or worker here: the workdir is written in the runner's layout (``checkpoints.jsonl``
 plus ``<name>/state.pt``, ``adapter/``, ``eval/``, ``summary.json``), including the debris a
-killed run leaves (a torn index line, an index line whose state file never landed).
+killed run leaves (a torn index line, an index line whose state file never landed). A verl
+job's workdir holds what verl's trainer writes (``verl/checkpoints/global_step_N/``), indexed
+by the verl runner's own registration code.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,7 @@ def test_it_lists_complete_checkpoints_and_serves_their_state(
         ("step-000002", 2, None),
         ("step-000004", 4, 2),
     ]
+    assert {(c["kind"], c["format"], c["size_bytes"]) for c in listed} == {("native", "pt", 11)}
     assert listed[1]["download"].endswith(f"/api/v1/jobs/{job.pk}/checkpoints/step-000004")
     state = owner_client.get(listed[1]["download"])
     assert state.status_code == 200 and body_of(state) == b"step-000004"
@@ -119,3 +123,80 @@ def test_it_hides_another_teams_job(
     for path in ("checkpoints", "artifacts", "artifacts/adapter", "checkpoints/step-000002"):
         assert outsider_client.get(f"/api/v1/jobs/{job.pk}/{path}").status_code == 404
         assert teammate_client.get(f"/api/v1/jobs/{job.pk}/{path}").status_code == 200
+
+
+def write_verl_checkpoint(checkpoint_dir: Path, step: int, world_size: int = 2) -> None:
+    """What verl's PPO trainer saves for an FSDP LoRA actor at `step` (no critic)."""
+    step_dir = checkpoint_dir / f"global_step_{step}"
+    actor = step_dir / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    (actor / "lora_adapter").mkdir()
+    for rank in range(world_size):
+        for part in ("model", "optim", "extra_state"):
+            name = f"{part}_world_size_{world_size}_rank_{rank}.pt"
+            (actor / name).write_bytes(f"{part}-{rank}-{step}".encode())
+    (actor / "fsdp_config.json").write_text(
+        json.dumps({"FSDP_version": 1, "world_size": world_size})
+    )
+    (actor / "huggingface" / "config.json").write_text('{"model_type": "qwen2"}')
+    (actor / "huggingface" / "tokenizer_config.json").write_text("{}")
+    (actor / "lora_adapter" / "adapter_config.json").write_text('{"r": 8}')
+    (actor / "lora_adapter" / "adapter_model.safetensors").write_bytes(b"lora-%d" % step)
+    (step_dir / "data.pt").write_bytes(b"dataloader-%d" % step)
+    # Written last, once the save is complete.
+    (checkpoint_dir / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def test_it_lists_and_serves_the_checkpoints_verl_writes(
+    team: Any, owner: Any, data_dir: Path, owner_client: APIClient, outsider_client: APIClient
+) -> None:
+    from jobs import artifacts
+    from workers.runners import verl
+    from workers.runners.base import JobContext
+
+    job = Job.objects.create(
+        team=team,
+        created_by=owner,
+        name="verl",
+        spec={"method": "rl", "env": "math", "runner": "verl"},
+        spec_version=1,
+        state=JobState.RUNNING,
+        attempt=1,
+    )
+    root = data_dir / "jobs" / str(job.pk)
+    ctx = JobContext(job_id=str(job.pk), attempt=1, spec=job.spec, devices=["cuda:0"], workdir=root)
+    # Where verl.prepare points trainer.default_local_dir.
+    checkpoint_dir = root / "verl" / "checkpoints"
+    for step in (2, 4, 6):
+        write_verl_checkpoint(checkpoint_dir, step)
+        for saved in verl._saved_steps(checkpoint_dir):
+            if saved == step:
+                verl._register_checkpoint(ctx, checkpoint_dir, step)
+    # verl rotated the oldest away (max_actor_ckpt_to_keep), and a link inside a checkpoint
+    # points outside the workdir: neither is served.
+    shutil.rmtree(checkpoint_dir / "global_step_2")
+    (data_dir / "secret.txt").write_text("not yours")
+    (checkpoint_dir / "global_step_4" / "actor" / "leak.txt").symlink_to(data_dir / "secret.txt")
+
+    listed = owner_client.get(f"/api/v1/jobs/{job.pk}/checkpoints").json()
+    assert [(c["name"], c["kind"], c["format"], c["step"]) for c in listed] == [
+        ("global_step_4", "verl", "zip", 4),
+        ("global_step_6", "verl", "zip", 6),
+    ]
+    step_dir = checkpoint_dir / "global_step_4"
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    assert listed[0]["size_bytes"] == sum(p.stat().st_size for p in files) > 0
+    assert listed[0]["created"] > 0 and listed[0]["attempt"] == 1
+
+    download = owner_client.get(listed[0]["download"])
+    assert download.status_code == 200 and download["Content-Type"] == "application/zip"
+    with zipfile.ZipFile(io.BytesIO(body_of(download))) as zf:
+        names = sorted(zf.namelist())
+        assert names == sorted(str(p.relative_to(step_dir)) for p in files)
+        assert "actor/model_world_size_2_rank_1.pt" in names and "data.pt" in names
+        assert zf.read("actor/lora_adapter/adapter_model.safetensors") == b"lora-4"
+    for name in ("global_step_2", "global_step_4%2F..", "global_step_x"):
+        assert owner_client.get(f"/api/v1/jobs/{job.pk}/checkpoints/{name}").status_code == 404
+    assert outsider_client.get(listed[0]["download"]).status_code == 404
+    # Eval jobs load native state files; a verl checkpoint is not one.
+    assert artifacts.checkpoint_file(job.pk, "global_step_4") is None

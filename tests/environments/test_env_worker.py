@@ -6,22 +6,15 @@ this test needs neither the database nor `environments` in INSTALLED_APPS.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from environments.registry import group_specs
 from environments.renderer import Renderer
 from environments.rollouts import PolicyInput, run_group
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.workers import env_worker_process
 
 
 @pytest.fixture(scope="module")
@@ -29,47 +22,10 @@ def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     import redis
 
     redis.Redis.from_url(redis_url).delete("env")
-    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
     name = f"envtest-{uuid.uuid4().hex[:8]}"
-    env = dict(
-        os.environ,
-        DJANGO_SETTINGS_MODULE="opentinker_site.settings.test",
-        REDIS_URL=redis_url,
-        PYTHONUNBUFFERED="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "opentinker_site",
-        "worker",
-        "--queues=env",
-        "--include=environments.tasks",
-        "--concurrency=1",
-        "--pool=prefork",
-        f"--hostname={name}@%h",
-        "--without-gossip",
-        "--without-mingle",
-        "--loglevel=INFO",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + 60
-    while " ready." not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"env worker did not start:\n{log_path.read_text(errors='replace')}")
-        time.sleep(0.2)
-    yield name
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
+    with env_worker_process(redis_url, log_path, name):
+        yield name
 
 
 def _scripted(env: str):

@@ -58,6 +58,9 @@ def test_it_fills_in_training_defaults_and_round_trips_the_stored_form():
         ({"runner": "deepspeed"}, "runner"),
         ({"env_config": {"temperature": 1}}, "env_config.temperature"),
         ({"full_finetune": True, "lora": {"rank": 4}}, "lora"),
+        ({"rollout": {"env_execution": "remote"}}, "rollout.env_execution"),
+        ({"rollout": {"env_execution": True}}, "rollout.env_execution"),
+        ({"runner": "verl", "rollout": {"env_execution": "queue"}}, "rollout.env_execution"),
     ],
 )
 def test_it_names_the_field_of_a_bad_rl_setting(extra, field):
@@ -130,3 +133,15 @@ def test_it_accepts_an_eval_section_and_round_trips_it():
     assert spec.eval is not None and spec.eval.from_job == job.lower()
     assert parse_spec(spec.model_dump(mode="json")) == spec
     assert parse_spec({"method": "rl", **MATH}).eval is None
+
+
+def test_it_runs_envs_inline_unless_the_spec_names_the_env_queue():
+    assert parse_spec({"method": "rl", **MATH}).rollout.env_execution == "inline"
+    queued = parse_spec({"method": "rl", **MATH, "rollout": {"env_execution": "queue"}})
+    assert queued.rollout.env_execution == "queue"
+    assert parse_spec(queued.model_dump(mode="json")) == queued
+    # Self-play needs both players in one process.
+    selfplay = {"method": "rl", "env": "gomoku_selfplay", "rollout": {"group_size": 2}}
+    assert parse_spec(selfplay).rollout.env_execution == "inline"
+    selfplay["rollout"]["env_execution"] = "queue"
+    assert [e["field"] for e in errors_of(selfplay)] == ["rollout.env_execution"]

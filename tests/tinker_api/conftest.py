@@ -9,6 +9,7 @@ offline (``get_info`` names it).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,18 @@ def tinker_data_dir(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPat
     settings.OPENTINKER_DATA_DIR = path
     monkeypatch.setenv("OPENTINKER_DATA_DIR", str(path))
     return path
+
+
+@pytest.fixture
+def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
+    """No Tinker futures, streams or registrations left from another test, before or after."""
+    from tinker_api import futures
+
+    def clean() -> None:
+        keys = list(redis_client.scan_iter(match=f"{futures.PREFIX}*", count=1000))
+        if keys:
+            redis_client.delete(*keys)
+
+    clean()
+    yield
+    clean()

@@ -7,7 +7,8 @@ each request still gets its own loss, metrics and logprobs, equal to running it 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,7 @@ from tinker_api.modelworker import ModelWorker
 BASE = "batching-test"
 
 
-@pytest.fixture(autouse=True)
-def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
-    def clean() -> None:
-        keys = list(redis_client.scan_iter(match=f"{futures.PREFIX}*", count=1000))
-        if keys:
-            redis_client.delete(*keys)
-
-    clean()
-    yield
-    clean()
+pytestmark = pytest.mark.usefixtures("clean_tinker_keys")
 
 
 def submit(op: dict[str, Any], body: bytes | None = None) -> str:
@@ -188,6 +180,93 @@ def test_it_fails_one_bad_request_without_failing_its_batch_mates(base_model_dir
     failed = futures.get(bad)
     assert failed is not None and failed["status"] == futures.FAILED
     assert "no_such_knob" in failed["error"] and failed["category"] == "user"
+
+
+def optim(model: str, seq: int, **adam: Any) -> str:
+    return submit({"op": "optim", "model": model, "seq": seq, "adam": adam})
+
+
+def test_it_steps_the_optimizers_of_ready_models_in_one_update(
+    base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training import ops
+
+    calls: list[int] = []
+    real = ops.optim_steps
+
+    def counting(policies: Any, adams: Any) -> Any:
+        calls.append(len(policies))
+        return real(policies, adams)
+
+    monkeypatch.setattr(ops, "optim_steps", counting)
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-optim")
+    create("a", 1), create("b", 2), create("c", 3)
+    drain(worker)
+    for name in ("a", "b", "c"):
+        fwdbwd(name, 1, "cross_entropy", ROWS_A)
+    drain(worker)
+    before = {n: [p.detach().clone() for p in worker.policies[n].parameters()] for n in "ab"}
+    oa = optim("a", 2, learning_rate=1e-2)
+    ob = optim("b", 2, learning_rate=1e-3, grad_clip_norm=1e-4)
+    # A bad request fails alone; its batch mates still step.
+    oc = optim("c", 2, learning_rate=-1.0)
+    drain(worker)
+    assert calls == [2], "both valid optimizer steps should run as one update"
+    ma, mb = result(oa)["metrics"], result(ob)["metrics"]
+    assert ma["optim/learning_rate:mean"] == 1e-2 and mb["optim/learning_rate:mean"] == 1e-3
+    assert ma["optim/step:mean"] == mb["optim/step:mean"] == 1.0
+    for name in "ab":
+        after = list(worker.policies[name].parameters())
+        assert any(not x.equal(y) for x, y in zip(before[name], after, strict=True))
+    failed = futures.get(oc)
+    assert failed["status"] == futures.FAILED and failed["category"] == "user"
+    assert "learning_rate" in failed["error"]
+    assert worker.policies["c"].step == 0
+    # Each model's next request runs after its optimizer step, in seq_id order.
+    assert futures.next_seq("a") == futures.next_seq("c") == 3
+
+
+def test_it_holds_a_ready_batch_briefly_for_other_active_models(
+    base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training import ops
+
+    calls: list[int] = []
+    real = ops.forward_backward
+
+    def counting(policies: Any, datums: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(datums))
+        return real(policies, datums, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "forward_backward", counting)
+    monkeypatch.delenv("OPENTINKER_TINKER_GATHER_MS", raising=False)
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-gather")
+    # On a CPU a batch costs what its parts cost: no waiting unless configured.
+    assert worker.gather == 0.0
+    worker.gather = 2.0
+    create("a", 1), create("b", 2)
+    drain(worker)
+    # b's client is a little behind a's: b's request joins a's batch.
+    fwdbwd("a", 1, "cross_entropy", ROWS_A)
+    worker.read(0)
+    worker.seen["b"] = time.monotonic()  # b's last request was just answered
+    late = threading.Timer(0.1, fwdbwd, args=("b", 1, "cross_entropy", ROWS_B))
+    late.start()
+    started = time.monotonic()
+    worker.gather_batch()
+    late.join()
+    assert time.monotonic() - started < 1.5, "the window ends when b's request arrives"
+    worker.step()
+    assert calls == [3]
+    # A model silent for longer than ACTIVE_SECONDS is not waited for.
+    worker.seen["b"] -= 10.0
+    fwdbwd("a", 2, "cross_entropy", ROWS_A)
+    worker.read(0)
+    started = time.monotonic()
+    worker.gather_batch()
+    assert time.monotonic() - started < 0.5
+    worker.step()
+    assert calls == [3, 2]
 
 
 def test_it_drops_the_queued_work_of_a_finished_session(base_model_dir: Path) -> None:

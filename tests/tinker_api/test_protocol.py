@@ -21,16 +21,7 @@ from tinker_api import futures
 from tinker_api.models import TinkerSession
 
 
-@pytest.fixture(autouse=True)
-def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
-    def clean() -> None:
-        keys = list(redis_client.scan_iter(match=f"{futures.PREFIX}*", count=1000))
-        if keys:
-            redis_client.delete(*keys)
-
-    clean()
-    yield
-    clean()
+pytestmark = pytest.mark.usefixtures("clean_tinker_keys")
 
 
 def api(client: Any, key: str, path: str, body: dict[str, Any] | None = None) -> Any:

@@ -233,7 +233,6 @@ def test_it_parses_sampling_requests_as_the_sampling_client_sends_them() -> None
     )
     assert (req.sampling_params.max_tokens, req.sampling_params.stop) == (16, [7, 8])
     assert req.sampling_params.temperature == pytest.approx(0.7)
-    assert req.unsupported_features() == []
 
     sdk.call(
         lambda c: c.sampling.asample(
@@ -248,9 +247,8 @@ def test_it_parses_sampling_requests_as_the_sampling_client_sends_them() -> None
     )
     alt = wire.parse_json(s.SampleRequest, sdk.last.content)
     assert alt.sampling_params.stop == "\n\n"
-    assert alt.unsupported_features() == ["prompt_alt_tokens_k"]
-    with pytest.raises(wire.WireError, match="not supported by this server: prompt_alt_tokens_k"):
-        wire.sample_prompt(alt)
+    assert alt.prompt_alt_tokens_k == 2
+    assert wire.sample_prompt(alt) == [1, 2, 3]
 
     sdk.call(
         lambda c: c.sampling.asample(

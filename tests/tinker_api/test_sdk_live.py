@@ -399,3 +399,42 @@ def test_it_trains_stable_reinforce_on_recorded_sequences_and_refuses_unrecorded
             # Recorded sampler logprobs replaced the zeros: on-policy, the ratio is about 1.
             assert abs(metrics["ratio:mean"] - 1.0) < 0.05, metrics
         assert np.mean(rewards_per_step[-2:]) > rewards_per_step[0] + 0.4, rewards_per_step
+
+
+def test_a_warm_shutdown_of_the_celery_worker_ends_its_model_worker_at_once(
+    live_server: Any,
+    tinker_base: Any,
+    start_worker: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tinker_data_dir: Path,
+    owner_key: tuple[Any, str],
+) -> None:
+    """`docker stop` sends SIGTERM to the worker's main process only; a warm shutdown waits
+    for running tasks, and a model worker would otherwise serve until idle (600 s here)."""
+    import signal
+    import subprocess
+
+    from tinker_api import futures
+    from workers import conf
+    from workers.locktable import GpuLockTable
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "600")
+    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
+    worker = start_worker()
+    with service_client(live_server.url + "/", owner_key[1]) as service:
+        training = service.create_lora_training_client(base_model=BASE_NAME, rank=4).result()
+        datum = sft_datum(training.get_tokenizer(), "12+7=", "19")
+        training.forward_backward([datum], "cross_entropy").result()
+    assert futures.worker_active(BASE_NAME)
+    table = GpuLockTable(conf.get_redis())
+    assert [lease.job_id for lease in table.leases() if lease.job_id.startswith("tinker:")]
+
+    worker.proc.send_signal(signal.SIGTERM)
+    try:
+        worker.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker is still waiting for its model worker:\n{worker.log()[-3000:]}")
+    assert f"for {BASE_NAME} ended: shutdown" in worker.log()
+    assert not futures.worker_active(BASE_NAME)
+    assert not [lease for lease in table.leases() if lease.job_id.startswith("tinker:")]

@@ -100,6 +100,27 @@ def test_it_matches_peft_per_row_with_mixed_adapters(setup):
     assert (logits[0] - logits[2]).abs().max() > 1e-2
 
 
+# Rows laid out adapter by adapter (as a batch of several requests is): sliced, not gathered;
+# equal groups in key order run the grouped bmm on a view of the batch.
+GROUPED_LAYOUTS = [
+    ["p0", "p0", "p1", "p1", "p2", "p2"],
+    ["p0", "p1", "p1", "p1", None, "p2"],
+    ["p2", "p2", "p0", "p0", "p1", "p0"],
+]
+
+
+@pytest.mark.parametrize("setup", STACK_MINS, ids=STACK_IDS, indirect=True)
+@pytest.mark.parametrize("keys", GROUPED_LAYOUTS, ids=["equal", "unequal", "partly"])
+def test_it_matches_peft_with_rows_grouped_by_adapter(setup, keys):
+    host_model, host, reference = setup
+    ids = torch.randint(3, 290, (6, 8), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad(), host.route(keys):
+        logits = host_model(input_ids=ids).logits
+    for row, key in enumerate(keys):
+        expected = peft_logits(reference, key, ids[row : row + 1])
+        torch.testing.assert_close(logits[row : row + 1], expected, atol=ATOL, rtol=0)
+
+
 def test_it_matches_peft_when_every_row_uses_one_adapter(setup):
     host_model, host, reference = setup
     ids = torch.randint(3, 290, (3, 7), generator=torch.Generator().manual_seed(1))
@@ -137,7 +158,12 @@ def test_it_uses_the_base_model_outside_a_route(setup, tiny_model_factory):
 
 
 @STACKING
-def test_it_backpropagates_into_several_adapters_in_one_forward(tiny_model_factory, stack_min):
+@pytest.mark.parametrize(
+    "keys", [["a", "b", "b", "a"], ["a", "a", "b", "b"]], ids=["interleaved", "grouped"]
+)
+def test_it_backpropagates_into_several_adapters_in_one_forward(
+    tiny_model_factory, stack_min, keys
+):
     model = tiny_model_factory().requires_grad_(False)
     host = LoRAHost(model, DEFAULT_TARGET_MODULES, stack_min_adapters=stack_min)
     params = {}
@@ -149,7 +175,6 @@ def test_it_backpropagates_into_several_adapters_in_one_forward(tiny_model_facto
         }
         host.register(key, params[key], 2.0)
     ids = torch.randint(3, 290, (4, 6), generator=torch.Generator().manual_seed(5))
-    keys = ["a", "b", "b", "a"]
     with host.route(keys):
         model(input_ids=ids).logits.square().mean(dim=(1, 2)).sum().backward()
     joint = {k: [t.grad.clone() for pair in p.values() for t in pair] for k, p in params.items()}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from training.engine import Engine
-from training.ops import forward, forward_backward, optim_step
+from training.ops import forward, forward_backward, optim_step, optim_steps
 from training.types import AdamParams, Datum
 
 
@@ -128,6 +128,47 @@ def test_it_skips_a_step_with_non_finite_gradients(engine, tiny_tokenizer):
     out = optim_step(policy)
     assert out["skipped"] == 1.0 and policy.step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+
+
+def test_it_steps_several_policies_at_once_as_one_by_one(engine, tiny_tokenizer):
+    datum = Datum.from_sequence(tiny_tokenizer("12+34=46 and more")["input_ids"])
+    bad = Datum.from_sequence(tiny_tokenizer("1+1=2")["input_ids"], weights=[float("inf")] * 4)
+    # Two policies share hyperparameters (one foreach update), one has its own and clips,
+    # one has a non-finite gradient and is skipped; each is stepped twice (state reused).
+    adams = [
+        AdamParams(learning_rate=1e-2, weight_decay=0.1),
+        AdamParams(learning_rate=1e-2, weight_decay=0.1),
+        AdamParams(learning_rate=3e-3, beta1=0.8, grad_clip_norm=1e-3),
+        AdamParams(learning_rate=1e-2),
+    ]
+
+    def make() -> list:
+        policies = [engine.create_policy(rank=4, alpha=8, seed=10 + i) for i in range(4)]
+        for i, p in enumerate(policies):
+            warm(p, 20 + i)
+        return policies
+
+    def backward(policies: list) -> None:
+        for i, p in enumerate(policies):
+            forward_backward(p, [bad if i == 3 else datum], "cross_entropy")
+
+    together, alone = make(), make()
+    for _ in range(2):
+        backward(together)
+        batched = optim_steps(together, adams)
+        backward(alone)
+        single = [optim_step(p, a) for p, a in zip(alone, adams, strict=True)]
+        for got, want in zip(batched, single, strict=True):
+            assert got == pytest.approx(want, rel=1e-5, nan_ok=True)
+    assert [b["skipped"] for b in batched] == [0.0, 0.0, 0.0, 1.0]
+    assert [p.step for p in together] == [2, 2, 2, 0]
+    for a, b in zip(together, alone, strict=True):
+        for x, y in zip(a.parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(x.detach(), y.detach(), atol=1e-6, rtol=1e-5)
+            assert x.grad is None
+        assert a.optimizer.state_dict()["state"].keys() == b.optimizer.state_dict()["state"].keys()
+    with pytest.raises(ValueError, match="twice"):
+        optim_steps([together[0], together[0]], adams[:2])
 
 
 def test_it_rejects_bad_calls(engine):

@@ -144,3 +144,78 @@ def test_it_does_not_start_a_stale_attempt(placed_job: Any) -> None:
     )
     assert outcome == "not-startable"
     assert Job.objects.get(pk=job_id).state == JobState.STARTING
+
+
+def test_it_buffers_metrics_and_writes_them_in_one_go(placed_job: Any) -> None:
+    from jobs.models import JobMetric
+
+    job_id, _ = placed_job()
+    ctx = JobContext(
+        job_id=job_id,
+        attempt=1,
+        spec={"method": "smoke"},
+        devices=["cpu"],
+        workdir=Path("."),
+        metrics_flush_interval=3600.0,
+    )
+
+    def stored() -> list[tuple[int, str, float]]:
+        rows = JobMetric.objects.filter(job_id=job_id).order_by("step", "name")
+        return list(rows.values_list("step", "name", "value"))
+
+    ctx.log_metrics(0, {"eval/reward": 0.5})  # the first write goes out at once
+    assert stored() == [(0, "eval/reward", 0.5)]
+    for step in (1, 2, 3):
+        ctx.log_metrics(step, {"loss": float(step)})
+    assert [s for s, _, _ in stored()] == [0]
+    with pytest.raises(ValueError, match="not finite"):
+        ctx.log_metrics(4, {"loss": float("nan")})
+    ctx.flush_metrics()
+    assert stored() == [
+        (0, "eval/reward", 0.5),
+        (1, "loss", 1.0),
+        (2, "loss", 2.0),
+        (3, "loss", 3.0),
+    ]
+
+    # A resume from the checkpoint of step 1: later steps go, stored or buffered.
+    ctx.log_metrics(4, {"loss": 4.0})
+    ctx.discard_metrics_after(1)
+    ctx.flush_metrics()
+    assert [s for s, _, _ in stored()] == [0, 1]
+
+    # Once the interval has passed, the next log writes everything buffered.
+    ctx.metrics_flush_interval = 0.0
+    ctx.log_metrics(2, {"loss": 20.0})
+    assert stored()[-1] == (2, "loss", 20.0)
+
+
+def log_then_fail(ctx: JobContext) -> None:
+    ctx.metrics_flush_interval = 3600.0
+    for step in range(1, 6):
+        ctx.log_metrics(step, {"loss": 1.0 / step})
+    raise RuntimeError("out of memory at step 6")
+
+
+def test_it_stores_buffered_metrics_of_a_failed_runner(
+    placed_job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobs.models import JobMetric
+
+    monkeypatch.setitem(runners._registry, "smoke", log_then_fail)
+    job_id, lease = placed_job()
+    run_job(job_id, attempt=1, node=lease.node, gpus=list(lease.gpus), lease_token=lease.token)
+    assert Job.objects.get(pk=job_id).state == JobState.FAILED
+    steps = JobMetric.objects.filter(job_id=job_id, name="loss").values_list("step", flat=True)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+
+
+def test_it_writes_no_metrics_for_an_attempt_that_is_no_longer_live(placed_job: Any) -> None:
+    from jobs.models import JobMetric
+
+    job_id, _ = placed_job()
+    ctx = JobContext(
+        job_id=job_id, attempt=2, spec={"method": "smoke"}, devices=["cpu"], workdir=Path(".")
+    )
+    ctx.log_metrics(1, {"loss": 1.0})
+    assert ctx.lease_lost and not JobMetric.objects.filter(job_id=job_id).exists()

@@ -1,8 +1,9 @@
 """Job runners, picked by ``spec["method"]``.
 
 A runner is a callable ``run(ctx: JobContext) -> None``. It does the job's work step by step,
-calls ``ctx.heartbeat(step)`` and ``ctx.log_metrics(step, {...})`` each step and returns early
-as soon as ``ctx.cancelled()`` is True. Returning normally means success; raising means
+calls ``ctx.heartbeat(step)`` and ``ctx.log_metrics(step, {...})`` each step (the context
+buffers metrics for up to a second; ``ctx.flush_metrics()`` before a checkpoint) and returns
+early as soon as ``ctx.cancelled()`` is True. Returning normally means success; raising means
 failure (the exception becomes the job's error message). The task around it owns every state
 transition and the GPU lease.
 

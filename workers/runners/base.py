@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -9,7 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobCancelled", "JobContext", "LeaseLost"]
+__all__ = ["METRICS_FLUSH_SECONDS", "JobCancelled", "JobContext", "LeaseLost"]
+
+# Longest a logged metric waits in the context's buffer while steps keep coming: the web UI
+# polls every few seconds. A step slower than this writes its metrics at once.
+METRICS_FLUSH_SECONDS = 1.0
 
 
 class JobCancelled(Exception):
@@ -26,6 +31,13 @@ class JobContext:
 
     ``devices`` are torch device strings for the leased block (``cuda:i`` or ``cpu``);
     ``workdir`` is private to the job and survives requeues (checkpoints go there).
+
+    Metrics are buffered: ``log_metrics`` writes the buffer in one transaction once
+    ``metrics_flush_interval`` seconds have passed since the last write, and ``flush_metrics``
+    writes it now. A runner flushes before every checkpoint (so no step at or before a
+    checkpoint can be lost with the process) and after an evaluation; the task flushes when
+    the runner returns or raises. Steps lost with a killed process lie after the last
+    checkpoint, and the resumed attempt runs them again.
     """
 
     job_id: str
@@ -38,10 +50,13 @@ class JobContext:
     # Redis cancel flag check; the task passes ``workers.control.is_cancel_requested``.
     cancel_check: Callable[[str], bool] | None = None
     heartbeat_interval: float = 10.0
+    metrics_flush_interval: float = METRICS_FLUSH_SECONDS
     stop_reason: str | None = None  # "cancelled" or "lease_lost" once cancelled() said so
     _lost: threading.Event = field(default_factory=threading.Event, repr=False)
     _db_cancel: bool = field(default=False, repr=False)
     _last_heartbeat: float = field(default=0.0, repr=False)
+    _pending_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list, repr=False)
+    _last_flush: float = field(default=-math.inf, repr=False)
 
     # --- called by the runner -------------------------------------------------------------
 
@@ -73,7 +88,29 @@ class JobContext:
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from jobs import services
 
-        if not services.record_metrics(self.job_id, step, dict(metrics), attempt=self.attempt):
+        # Checked now, so a bad value fails the step that produced it.
+        self._pending_metrics.append((step, services.check_metrics(step, metrics)))
+        if time.monotonic() - self._last_flush >= self.metrics_flush_interval:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        """Write the buffered metrics now (one transaction)."""
+        from jobs import services
+
+        self._last_flush = time.monotonic()
+        if not self._pending_metrics:
+            return
+        pending, self._pending_metrics = self._pending_metrics, []
+        if not services.record_metric_steps(self.job_id, pending, attempt=self.attempt):
+            self.lose_lease()
+
+    def discard_metrics_after(self, step: int) -> None:
+        """Forget the metrics of steps after ``step``, written or buffered: a run resumed from
+        the checkpoint of ``step`` logs them again."""
+        from jobs import services
+
+        self._pending_metrics = [(s, m) for s, m in self._pending_metrics if s <= step]
+        if services.discard_metrics_after(self.job_id, step, attempt=self.attempt) is None:
             self.lose_lease()
 
     def event(self, message: str, data: Mapping[str, Any] | None = None) -> None:

@@ -3,7 +3,8 @@
 `TrainingLoop` owns one policy on one engine and runs the JobSpec's steps:
 
 - RL step: take `prompts_per_step` groups from the data order, play them against the current
-  snapshot (all live episodes of all groups sampled together, one batch per turn), turn rewards
+  snapshot (all live episodes of all groups sampled together, one batch per turn; the envs step
+  in this process or, with ``rollout.env_execution: queue``, on env workers), turn rewards
   into advantages (training.rl), then `forward_backward` + `optim_step` and publish a new
   snapshot.
 - SFT step: `batch_size` rows rendered exactly as the env shows them, cross entropy on the
@@ -15,7 +16,9 @@ checkpoint therefore needs only the policy state (weights, AdamW, step, its RNG)
 and the data cursor, and a resumed run replays exactly the steps a killed one would have run.
 
 The loop talks to its job through a `LoopContext` (``workers.runners.base.JobContext`` in the
-service; anything with the same methods in a notebook or a benchmark).
+service; anything with the same methods in a notebook or a benchmark). The context may buffer
+metrics: the loop flushes them before each checkpoint and after each evaluation, and a resumed
+run first discards the metrics of the steps after its checkpoint, which it is about to redo.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from environments.rollouts import (
     apply_group_rewards,
     run_episode,
 )
-from environments.types import DataSource, GroupBuilder, Trajectory
+from environments.types import DataSource, GroupBuilder, StepResult, Trajectory
 from jobs.spec import JobSpec
 from training import ops, rl
 from training.checkpoint import CheckpointDir
@@ -73,6 +76,10 @@ class LoopContext(Protocol):
     def heartbeat(self, step: int | None = None, *, force: bool = False) -> None: ...
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def flush_metrics(self) -> None: ...
+
+    def discard_metrics_after(self, step: int) -> None: ...
 
     def event(self, message: str, data: Mapping[str, Any] | None = None) -> None: ...
 
@@ -146,10 +153,50 @@ class RolloutStats:
     seconds: float = 0.0
 
 
+class _InlineGroups:
+    """Groups whose episodes live in this process: `environments.remote.RemoteGroups`'s
+    interface, with the exceptions worded as `rollouts.run_episode` words them."""
+
+    def __init__(self, builders: Sequence[GroupBuilder]) -> None:
+        self.episodes = [builder.make_episodes() for builder in builders]
+
+    def start(self) -> list[list[tuple[list[Any], Any] | str]]:
+        out: list[list[tuple[list[Any], Any] | str]] = []
+        for episodes in self.episodes:
+            row: list[tuple[list[Any], Any] | str] = []
+            for episode in episodes:
+                try:
+                    row.append(episode.initial_observation())
+                except Exception as exc:  # noqa: BLE001 - an env crash is a value
+                    row.append(f"{type(exc).__name__}: {exc}")
+            out.append(row)
+        return out
+
+    def step(self, actions: Sequence[Sequence[str | None]]) -> list[list[StepResult | str | None]]:
+        out: list[list[StepResult | str | None]] = []
+        for episodes, group_actions in zip(self.episodes, actions, strict=True):
+            row: list[StepResult | str | None] = []
+            for episode, action in zip(episodes, group_actions, strict=True):
+                if action is None:
+                    row.append(None)
+                    continue
+                try:
+                    row.append(episode.step(action))
+                except Exception as exc:  # noqa: BLE001
+                    row.append(f"{type(exc).__name__}: {exc}")
+            out.append(row)
+        return out
+
+    def close(self) -> None:
+        for episodes in self.episodes:
+            for episode in episodes:
+                episode.close()
+
+
 def play_groups(
     engine: Engine,
     renderer: Renderer,
-    builders: Sequence[GroupBuilder],
+    group_specs: Sequence[dict[str, Any]],
     *,
     policy: Policy | None,
     version: int | None,
@@ -159,12 +206,16 @@ def play_groups(
     max_turns: int,
     seed_of: Any,
     stats: RolloutStats | None = None,
+    env_execution: str = "inline",
 ) -> list[list[Trajectory]]:
     """Play every group to the end with one sampler batch per turn across all live episodes.
 
     The episodes are driven by `EpisodeRecorder`, the recorder of `rollouts.run_episode`, so
-    token layout and masks are those of the inline rollouts. Builders whose episodes must run
-    concurrently (self-play) run one thread per episode with a one-row policy function.
+    token layout and masks are those of the inline rollouts. The environments step in this
+    process (`env_execution` "inline") or on env workers ("queue": one task per group and
+    turn, `environments.remote.RemoteGroups`); the requests to the sampler, and so the
+    trajectories, are the same either way. Builders whose episodes must run concurrently
+    (self-play) run inline, one thread per episode with a one-row policy function.
     `seed_of(group, episode, turn)` gives each row's sampling seed.
     """
     started = time.perf_counter()
@@ -195,64 +246,84 @@ def play_groups(
         counter.sampled_tokens += len(seq.tokens)
         return PolicyOutput(tokens=seq.tokens, logprobs=seq.logprobs)
 
+    if env_execution not in ("inline", "queue"):
+        raise ValueError(f"env_execution must be 'inline' or 'queue', not {env_execution!r}")
+    builders = [build_group(dict(spec)) for spec in group_specs]
     results: list[list[Trajectory] | None] = [None] * len(builders)
-    lockstep: list[tuple[int, int, Any, EpisodeRecorder]] = []  # (group, episode, ep, recorder)
+    lockstep: list[int] = []  # the groups played one sampler batch per turn
     for g, builder in enumerate(builders):
-        if getattr(builder, "concurrent", False):
+        if not getattr(builder, "concurrent", False):
+            lockstep.append(g)
+        elif env_execution == "queue":
+            raise TrainingError(
+                f"env {builder.env_name!r} plays a group's episodes against each other: "
+                "it runs inline only"
+            )
+        else:
             results[g] = _play_concurrent(
                 builder, renderer, max_turns, lambda inp, e, t, g=g: one_row(inp, g, e, t)
             )
-            continue
-        for e, episode in enumerate(builder.make_episodes()):
-            rec = EpisodeRecorder(renderer, builder.env_name)
-            try:
-                messages, stop = episode.initial_observation()
-            except Exception as exc:  # noqa: BLE001 - an env crash is a value, as in run_episode
-                rec.fail(f"initial_observation failed: {type(exc).__name__}: {exc}")
-            else:
-                rec.begin(messages, stop)
-            lockstep.append((g, e, episode, rec))
 
+    envs: Any
+    if env_execution == "queue":
+        from environments.remote import RemoteGroups
+
+        envs = RemoteGroups([group_specs[g] for g in lockstep])
+    else:
+        envs = _InlineGroups([builders[g] for g in lockstep])
+    recorders: list[list[EpisodeRecorder]] = []  # [position in lockstep][episode]
     try:
+        for g, observations in zip(lockstep, envs.start(), strict=True):
+            row = []
+            for obs in observations:
+                rec = EpisodeRecorder(renderer, builders[g].env_name)
+                if isinstance(obs, str):
+                    rec.fail(f"initial_observation failed: {obs}")
+                else:
+                    rec.begin(*obs)
+                row.append(rec)
+            recorders.append(row)
         for turn in range(max_turns):
-            live = [item for item in lockstep if not item[3].done]
-            if not live:
-                break
             requests, rows = [], []
-            for g, e, episode, rec in live:
-                inp = rec.policy_input()
-                params = params_for(inp, seed_of(g, e, turn))
-                if params is None:
-                    rec.fail("the conversation filled the model's context")
-                    continue
-                requests.append(SampleRequest(inp.tokens, params, 1, policy_id, version))
-                rows.append((episode, rec))
+            for k, row in enumerate(recorders):
+                for e, rec in enumerate(row):
+                    if rec.done:
+                        continue
+                    inp = rec.policy_input()
+                    params = params_for(inp, seed_of(lockstep[k], e, turn))
+                    if params is None:
+                        rec.fail("the conversation filled the model's context")
+                        continue
+                    requests.append(SampleRequest(inp.tokens, params, 1, policy_id, version))
+                    rows.append((k, e, rec))
             if not requests:
                 break
             outputs = sample(engine, requests)
-            for (episode, rec), out in zip(rows, outputs, strict=True):
+            actions: list[list[str | None]] = [[None] * len(row) for row in recorders]
+            for (k, e, rec), out in zip(rows, outputs, strict=True):
                 seq = out[0]
                 counter.sampled_tokens += len(seq.tokens)
-                action = rec.take_action(PolicyOutput(tokens=seq.tokens, logprobs=seq.logprobs))
-                try:
-                    result = episode.step(action)
-                except Exception as exc:  # noqa: BLE001
-                    rec.fail(
-                        f"step failed: {type(exc).__name__}: {exc}", turn_error="env_exception"
-                    )
-                    continue
-                rec.record(result)
-        for _, _, _, rec in lockstep:
-            if not rec.done:
-                rec.fail(f"max_turns ({max_turns}) reached before the episode ended")
+                actions[k][e] = rec.take_action(
+                    PolicyOutput(tokens=seq.tokens, logprobs=seq.logprobs)
+                )
+            stepped = envs.step(actions)
+            for k, e, rec in rows:
+                result = stepped[k][e]
+                if result is None:
+                    rec.fail("the env worker skipped a live episode")
+                elif isinstance(result, str):
+                    rec.fail(f"step failed: {result}", turn_error="env_exception")
+                else:
+                    rec.record(result)
+        for row in recorders:
+            for rec in row:
+                if not rec.done:
+                    rec.fail(f"max_turns ({max_turns}) reached before the episode ended")
     finally:
-        for _, _, episode, _ in lockstep:
-            episode.close()
+        envs.close()
 
-    for g, builder in enumerate(builders):
-        if results[g] is None:
-            trajectories = [rec.trajectory for gg, _, _, rec in lockstep if gg == g]
-            results[g] = apply_group_rewards(builder, trajectories)
+    for g, row in zip(lockstep, recorders, strict=True):
+        results[g] = apply_group_rewards(builders[g], [rec.trajectory for rec in row])
     counter.seconds += time.perf_counter() - started
     return [r for r in results if r is not None]
 
@@ -341,23 +412,21 @@ def evaluate_snapshot(
             raise TrainingError(f"env {env.name!r} reads a dataset, and no evaluation rows exist")
     else:
         rows = [None] * n
-    builders = [
-        build_group(
-            {
-                "env": env.name,
-                "config": dict(spec.env_config),
-                "row": row,
-                "seed": EVAL_SEED_OFFSET + i,
-                "group_size": 2 if env.name == "gomoku_selfplay" else 1,
-            }
-        )
+    group_specs = [
+        {
+            "env": env.name,
+            "config": dict(spec.env_config),
+            "row": row,
+            "seed": EVAL_SEED_OFFSET + i,
+            "group_size": 2 if env.name == "gomoku_selfplay" else 1,
+        }
         for i, row in enumerate(rows)
     ]
     started = time.perf_counter()
     groups = play_groups(
         engine,
         renderer,
-        builders,
+        group_specs,
         policy=policy,
         version=version,
         temperature=0.0,
@@ -365,6 +434,7 @@ def evaluate_snapshot(
         max_tokens=spec.rollout.max_tokens,
         max_turns=spec.rollout.max_turns,
         seed_of=lambda g, e, t: 0,
+        env_execution=spec.rollout.env_execution,
     )
     trajectories = [t for group in groups for t in group]
     rewards = [t.total_reward for t in trajectories]
@@ -436,6 +506,7 @@ def run_eval(
     if ctx.cancelled():
         return None
     ctx.log_metrics(0, metrics)
+    ctx.flush_metrics()
     summary = {
         "kind": "eval",
         "env": spec.env,
@@ -513,6 +584,8 @@ class TrainingLoop:
         self.step = int(extra.get("step", record["step"]))
         self.cursor = int(extra.get("cursor", 0))
         self.last_eval = dict(extra.get("eval", {}))
+        # Steps after the checkpoint run again: what the lost attempt logged for them goes.
+        self.ctx.discard_metrics_after(self.step)
         self.ctx.event(
             f"resumed from checkpoint {record['name']} (step {self.step})",
             {"checkpoint": record["name"], "step": self.step, "cursor": self.cursor},
@@ -545,37 +618,26 @@ class TrainingLoop:
 
     # -- data -------------------------------------------------------------------------------
 
-    def _take_builders(self, count: int, group_size: int) -> list[GroupBuilder]:
-        config = dict(self.spec.env_config)
-        builders = []
+    def _take_groups(self, count: int, group_size: int) -> list[dict[str, Any]]:
+        """The JSON specs of the next `count` groups in the data order (registry.build_group)."""
         if self.order is not None:
-            for offset, index in enumerate(self.order.take(self.cursor, count)):
-                builders.append(
-                    build_group(
-                        {
-                            "env": self.env.name,
-                            "config": config,
-                            "row": self.rows[index],
-                            "seed": _mix(self.spec.seed, self.cursor + offset),
-                            "group_size": group_size,
-                        }
-                    )
-                )
+            rows: list[dict[str, Any] | None] = [
+                self.rows[index] for index in self.order.take(self.cursor, count)
+            ]
         else:
-            for offset in range(count):
-                builders.append(
-                    build_group(
-                        {
-                            "env": self.env.name,
-                            "config": config,
-                            "row": None,
-                            "seed": _mix(self.spec.seed, self.cursor + offset),
-                            "group_size": group_size,
-                        }
-                    )
-                )
+            rows = [None] * count
+        specs = [
+            {
+                "env": self.env.name,
+                "config": dict(self.spec.env_config),
+                "row": row,
+                "seed": _mix(self.spec.seed, self.cursor + offset),
+                "group_size": group_size,
+            }
+            for offset, row in enumerate(rows)
+        ]
         self.cursor += count
-        return builders
+        return specs
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -585,12 +647,12 @@ class TrainingLoop:
         if self.version is None:
             self.publish()
         step = self.step + 1
-        builders = self._take_builders(spec.rollout.prompts_per_step, spec.rollout.group_size)
+        group_specs = self._take_groups(spec.rollout.prompts_per_step, spec.rollout.group_size)
         stats = RolloutStats()
         groups = play_groups(
             self.engine,
             self.renderer,
-            builders,
+            group_specs,
             policy=self.policy,
             version=self.version,
             temperature=spec.rollout.temperature,
@@ -599,6 +661,7 @@ class TrainingLoop:
             max_turns=spec.rollout.max_turns,
             seed_of=lambda g, e, t: _mix(spec.seed, step, g, e, t),
             stats=stats,
+            env_execution=spec.rollout.env_execution,
         )
         rewards: list[float] = []
         correct: list[float] = []
@@ -776,6 +839,7 @@ class TrainingLoop:
             )
             if spec.eval_every and not ctx.cancelled():
                 ctx.log_metrics(0, self.evaluate())
+                ctx.flush_metrics()
         while self.step < spec.steps:
             if ctx.cancelled():
                 return False
@@ -784,10 +848,20 @@ class TrainingLoop:
                 # The step's results are dropped: the next attempt (if any) redoes it.
                 return False
             step = self.step
-            if spec.eval_every and (step % spec.eval_every == 0 or step == spec.steps):
+            evaluated = bool(spec.eval_every) and (
+                step % spec.eval_every == 0 or step == spec.steps
+            )
+            if evaluated:
                 metrics.update(self.evaluate())
             ctx.log_metrics(step, metrics)
-            if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
+            checkpoint = step == spec.steps or bool(
+                spec.checkpoint_every and step % spec.checkpoint_every == 0
+            )
+            if evaluated or checkpoint:
+                # Before the checkpoint: a step it covers is never redone, so its metrics
+                # must already be stored when the checkpoint appears.
+                ctx.flush_metrics()
+            if checkpoint:
                 self.save_checkpoint()
             ctx.heartbeat(step)
         if ctx.cancelled():

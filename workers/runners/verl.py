@@ -568,6 +568,8 @@ def supervise(
                 log.flush()
                 for step in _saved_steps(checkpoint_dir):
                     if step not in known:
+                        # verl resumes after this step: its metrics must be stored first.
+                        ctx.flush_metrics()
                         known.add(step)
                         result.checkpoints.append(step)
                         _register_checkpoint(ctx, checkpoint_dir, step)

@@ -78,6 +78,8 @@ class Command(BaseCommand):
                 "-m",
                 "gunicorn",
                 "opentinker_site.wsgi:application",
+                "--config",
+                "python:opentinker_site.gunicorn_conf",
                 "--bind",
                 address,
                 "--workers",
