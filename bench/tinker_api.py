@@ -491,8 +491,9 @@ poll. An RL step makes eight HTTP requests (four submissions, four polls): the S
 costs {col("rl", "gap_s", ".0f", 1000.0)} ms more than the in-process one.
 
 Where the time goes (per-process timestamps of one run, `--threads 1`):
-- One trivial future, 8.5 ms: the SDK and HTTP on the client side ~2.5 ms, API-key
-  authentication 1.7 ms per request (two SQL queries; 3.4 ms of the two requests), model
+- One trivial future, 8.5 ms (profiled before the last changes): the SDK and HTTP on the client side ~2.5 ms, API-key
+  authentication 1.7 ms per request (then two SQL queries, since merged into one: the key
+  lookup alone went from 0.78 to 0.66 ms), model
   lookup 0.4 ms, the submission (future, seq_id dedupe, stream message: one Redis script)
   0.3 ms, the worker from stream to stored result ~0.8 ms (claim and acknowledgement in one
   round trip, the result and the long poll's wake-up in another). The long poll never waits
@@ -516,7 +517,8 @@ Where the time goes (per-process timestamps of one run, `--threads 1`):
   nothing queued. On this CPU that wait only cost time (sequential 17.0-17.9 steps/s with it,
   18.4-18.8 without, concurrent unchanged), so it is off on CPU workers. Where one call is
   dominated by launch overhead (a GPU with a model this small) batching is what turns four
-  calls into one; no GPU was available to measure it.
+  calls into one; no GPU was available to measure it
+  (`scripts/gpu_check.sh` runs `--device cuda` when one is).
 - Torch threads: one on both sides by default. Here the model worker shares the two cores
   with the web server and the SDK client, which run while it computes (the pipelined
   `optim_step` submission and the polls arrive during the forward/backward); the in-process
