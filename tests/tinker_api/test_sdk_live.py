@@ -81,6 +81,25 @@ def batch_loss(result: Any, data: list[types.Datum]) -> float:
 EXAMPLES = [("12+7=", "19"), ("3+4=", "7"), ("25+25=", "50"), ("8+1=", "9")]
 
 
+def bandit_trainer(service: Any) -> tuple[Any, Any, list[int]]:
+    """A LoRA training client on the tiny model, its tokenizer and the bandit prompt's ids."""
+    from training.data import bandit_prompt
+
+    training = service.create_lora_training_client(base_model=BASE_NAME, rank=8, seed=3).result()
+    tokenizer = training.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": bandit_prompt(5)}], add_generation_prompt=True, tokenize=False
+    )
+    return training, tokenizer, tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def bandit_rewards(tokenizer: Any, sequences: Any) -> np.ndarray:
+    """1 for each sampled answer that picks arm 3 (the only one that pays), else 0."""
+    from training.data import final_answer
+
+    return np.array([float(final_answer(tokenizer.decode(s.tokens)) == "3") for s in sequences])
+
+
 def test_it_runs_an_sft_loop_whose_loss_falls_and_samples_from_it(
     server: str, owner_key: tuple[Any, str]
 ) -> None:
@@ -261,23 +280,13 @@ def test_it_keeps_two_teams_apart(
 def test_it_runs_an_rl_loop_with_importance_sampling_whose_reward_rises(
     server: str, owner_key: tuple[Any, str], base_model_dir: Any
 ) -> None:
-    from training.data import bandit_prompt, final_answer
     from training.model import DEFAULT_BASE_MODEL
 
     if str(base_model_dir) != DEFAULT_BASE_MODEL:
         pytest.skip("needs the project's tiny chat model (scripts/build_tiny_model.py)")
     group = 16
     with service_client(server, owner_key[1]) as service:
-        training = service.create_lora_training_client(
-            base_model=BASE_NAME, rank=8, seed=3
-        ).result()
-        tokenizer = training.get_tokenizer()
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": bandit_prompt(5)}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        training, tokenizer, prompt_ids = bandit_trainer(service)
         rewards_per_step = []
         for step in range(6):
             sampler = training.save_weights_and_get_sampling_client().result()
@@ -286,10 +295,7 @@ def test_it_runs_an_rl_loop_with_importance_sampling_whose_reward_rises(
                 num_samples=group,
                 sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=step),
             ).result()
-            # The bandit pays for arm 3 only.
-            rewards = np.array(
-                [float(final_answer(tokenizer.decode(s.tokens)) == "3") for s in result.sequences]
-            )
+            rewards = bandit_rewards(tokenizer, result.sequences)
             rewards_per_step.append(float(rewards.mean()))
             advantages = rewards - rewards.mean()
             data = []
@@ -320,23 +326,13 @@ def test_it_runs_an_rl_loop_with_importance_sampling_whose_reward_rises(
 def test_it_trains_stable_reinforce_on_recorded_sequences_and_refuses_unrecorded_ones(
     server: str, owner_key: tuple[Any, str], base_model_dir: Any
 ) -> None:
-    from training.data import bandit_prompt, final_answer
     from training.model import DEFAULT_BASE_MODEL
 
     if str(base_model_dir) != DEFAULT_BASE_MODEL:
         pytest.skip("needs the project's tiny chat model (scripts/build_tiny_model.py)")
     group = 16
     with service_client(server, owner_key[1]) as service:
-        training = service.create_lora_training_client(
-            base_model=BASE_NAME, rank=8, seed=3
-        ).result()
-        tokenizer = training.get_tokenizer()
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": bandit_prompt(5)}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        training, tokenizer, prompt_ids = bandit_trainer(service)
 
         def datum(seq: Any, adv: float) -> types.Datum:
             # As the cookbook's rl_loop builds it: the client's logprobs are zeros here, so
@@ -387,9 +383,7 @@ def test_it_trains_stable_reinforce_on_recorded_sequences_and_refuses_unrecorded
                 num_samples=group,
                 sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=step),
             ).result()
-            rewards = np.array(
-                [float(final_answer(tokenizer.decode(s.tokens)) == "3") for s in result.sequences]
-            )
+            rewards = bandit_rewards(tokenizer, result.sequences)
             rewards_per_step.append(float(rewards.mean()))
             advantages = rewards - rewards.mean()
             data = [datum(s, float(a)) for s, a in zip(result.sequences, advantages, strict=True)]
