@@ -781,7 +781,7 @@ class ModelWorker:
             b = tensors[name.replace(".lora_A.", ".lora_B.")]
             weights[module] = (tensor, b)
         key = f"sampler:{uuid.uuid4().hex[:12]}"
-        self.engine.host.register(key, weights, LORA_ALPHA / int(target["rank"]))
+        self.engine.host.register(key, weights, LORA_ALPHA / int(target["rank"]), frozen=True)
         self.loaded_samplers[file] = key
         while len(self.loaded_samplers) > LOADED_SAMPLERS:
             oldest = next(iter(self.loaded_samplers))

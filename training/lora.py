@@ -14,6 +14,7 @@ once per ``route()`` and shared by every wrapped module through one `_RouteState
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,10 +67,43 @@ class _Stacked:
 class _RouteState:
     """Routing shared by all wrapped modules of one host (one object, read per forward)."""
 
+    # Distinct adapter combinations whose stacked weights are kept (a sampler's decode steps
+    # reuse one combination; a model worker alternates between a few).
+    STACK_CACHE_COMBINATIONS = 8
+
     def __init__(self) -> None:
         self.groups: tuple[_Group, ...] = ()
         self.num_rows: int = 0
         self.stacked: _Stacked | None = None
+        # Keys registered frozen (published snapshots: never written after registration).
+        self.frozen: set[str] = set()
+        # adapter keys -> module name -> (A_K, B_K)
+        self.stack_cache: OrderedDict[
+            tuple[str, ...], dict[str, tuple[torch.Tensor, torch.Tensor]]
+        ] = OrderedDict()
+
+    def stacked_weights(
+        self,
+        name: str,
+        keys: tuple[str, ...],
+        a_list: list[torch.Tensor],
+        b_list: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`torch.stack` of the adapters' A and B; kept across calls when every adapter is
+        frozen (live training weights change in place and need their autograd graph)."""
+        if not self.frozen.issuperset(keys):
+            return torch.stack(a_list), torch.stack(b_list)
+        per_module = self.stack_cache.get(keys)
+        if per_module is None:
+            per_module = self.stack_cache[keys] = {}
+            while len(self.stack_cache) > self.STACK_CACHE_COMBINATIONS:
+                self.stack_cache.popitem(last=False)
+        else:
+            self.stack_cache.move_to_end(keys)
+        entry = per_module.get(name)
+        if entry is None:
+            entry = per_module[name] = (torch.stack(a_list), torch.stack(b_list))
+        return entry
 
 
 class MultiLoRALinear(nn.Module):
@@ -176,15 +210,14 @@ class MultiLoRALinear(nn.Module):
             return None
         num_keys, slots = len(stacked.keys), stacked.slots
         length = x.shape[1]
-        a_K = torch.stack(a_list)  # (K, r, in)
-        b_K = torch.stack(b_list)  # (K, out, r)
+        # (K, r, in) and (K, out, r)
+        a_K, b_K = self._state.stacked_weights(self.name, stacked.keys, a_list, b_list)
         if stacked.index is None:
             xs = x.reshape(num_keys, slots * length, -1).to(dtype)
             hidden = torch.bmm(xs, a_K.transpose(1, 2)) * stacked.weight_K_G[:, 0]  # (K, G*T, r)
-            # out + delta in one kernel; out-of-place since the view spans the whole batch.
-            return torch.baddbmm(
-                out.reshape(num_keys, slots * length, -1), hidden, b_K.transpose(1, 2)
-            ).view(out.shape)
+            # out += delta in one kernel, in place (safe: F.linear does not save its output).
+            out.view(num_keys, slots * length, -1).baddbmm_(hidden, b_K.transpose(1, 2))
+            return out
         xs = x.index_select(0, stacked.index).reshape(num_keys, slots * length, -1)
         hidden = torch.bmm(xs.to(dtype), a_K.transpose(1, 2))  # (K, G*T, r)
         hidden = (hidden.view(num_keys, slots, length, rank) * stacked.weight_K_G).view(
@@ -278,11 +311,15 @@ class LoRAHost:
     def module_names(self) -> list[str]:
         return list(self.modules)
 
-    def register(self, key: str, weights: AdapterWeights, scaling: float) -> None:
+    def register(
+        self, key: str, weights: AdapterWeights, scaling: float, *, frozen: bool = False
+    ) -> None:
         """Attach adapter `key`: `weights[module_name] = (A [r, in], B [out, r])`.
 
         The tensors are used as given (no copy): pass nn.Parameters for live training
-        weights, detached clones for immutable snapshots.
+        weights, detached clones for immutable snapshots. `frozen=True` promises that the
+        tensors are never written again (a published snapshot, loaded sampler weights): the
+        batched LoRA path may then keep stacked copies of them across calls.
         """
         if not isinstance(key, str) or not key:
             raise ValueError("adapter key must be a non-empty string")
@@ -319,6 +356,8 @@ class LoRAHost:
             for module, lora_a, lora_b in checked:
                 module.adapters[key] = (lora_a, lora_b, float(scaling))
             self._scalings[key] = float(scaling)
+            if frozen:
+                self._state.frozen.add(key)
 
     def unregister(self, key: str) -> None:
         with self._lock:
@@ -327,6 +366,9 @@ class LoRAHost:
             for module in self.modules.values():
                 module.adapters.pop(key, None)
             del self._scalings[key]
+            self._state.frozen.discard(key)
+            for combination in [c for c in self._state.stack_cache if key in c]:
+                del self._state.stack_cache[combination]
 
     def weights(self, key: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The registered tensors of adapter `key` (the same objects, not copies)."""
@@ -420,6 +462,8 @@ class LoRAHost:
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             setattr(parent, child, linear)
         self.modules = {}
+        self._state.stack_cache.clear()
+        self._state.frozen.clear()
         self._scalings = {}
 
 

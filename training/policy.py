@@ -168,7 +168,9 @@ class Policy:
                 name: (a.detach().clone(), b.detach().clone())
                 for name, (a, b) in self.lora_weights.items()
             }
-            self.host.register(snapshot_key(self.id, version), weights, self.config.scaling)
+            self.host.register(
+                snapshot_key(self.id, version), weights, self.config.scaling, frozen=True
+            )
             self._versions[version] = weights
         self._next_version += 1
         return version

@@ -1,17 +1,18 @@
 """Batched sampling with a KV cache, where every row may use its own LoRA adapter.
 
 `generate` is the core: prompts are left-padded into one batch, prefilled once and decoded
-token by token from a `DynamicCache`, with an explicit `attention_mask` and `position_ids`
-(left padding shifts positions otherwise). Rows that finish are dropped from the batch (and
-from the cache), so a long straggler does not drag finished rows through every step. Each
-forward runs inside `LoRAHost.route(keys_per_row)`, so rows of different adapters share the
-base projections. Generation runs under `no_grad`, not `inference_mode`: the returned tokens
-are fed to training and inference tensors cannot be saved for backward.
+token by token through a decoder backend (training/decoder.py: the fused decoder for Qwen2 and
+Llama models, the model's own forward with a `DynamicCache` for any other), with explicit
+padding masks and positions (left padding shifts positions otherwise). Rows that finish are
+dropped from the batch (and from the cache), so a long straggler does not drag finished rows
+through every step. Every forward is routed through `LoRAHost.route(keys_per_row)`, so rows of
+different adapters share the base projections. Generation runs under `no_grad`, not
+`inference_mode`: the returned tokens are fed to training and inference tensors cannot be
+saved for backward.
 
 Returned logprobs are those of the model's own distribution (log-softmax of the raw logits,
 before temperature, top-k and top-p), i.e. what a forward pass over the same tokens gives; RL
-losses compare them against training-time logprobs.
-"""
+losses compare them against training-time logprobs."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache
 
+from training.decoder import decoder_for
 from training.types import SampledSequence, SamplingParams
 
 if TYPE_CHECKING:
@@ -81,12 +82,53 @@ def _row_generator(
     return gen
 
 
+class _ExponentialNoise:
+    """Exp(1) noise for the token draws of the rows in a batch, `chunk` decode steps at a time.
+
+    Every active row consumes one (V,) vector per step, in lockstep, so one (B, chunk, V)
+    buffer serves `chunk` steps with a single slice per step; a seeded row fills its slice
+    from its own generator (a generator yields the same stream whether it is drawn a step or
+    a chunk at a time), so a seeded sample still does not depend on the rest of the batch.
+    """
+
+    ELEMENTS_PER_ROW = 1 << 16  # chunk * vocab per row; 16 steps for the tiny model's vocab
+
+    def __init__(self, generators: list[torch.Generator | None], vocab: int, device) -> None:
+        self.generators = generators
+        self.vocab = vocab
+        self.device = device
+        self.chunk = max(1, min(16, self.ELEMENTS_PER_ROW // vocab))
+        self.buffer: torch.Tensor | None = None
+        self.index = self.chunk
+
+    def next(self) -> torch.Tensor:
+        if self.index == self.chunk:
+            rows = len(self.generators)
+            self.buffer = torch.empty((rows, self.chunk, self.vocab), device=self.device)
+            if any(g is None for g in self.generators):
+                self.buffer.exponential_()
+            for i, gen in enumerate(self.generators):
+                if gen is not None:
+                    self.buffer[i].exponential_(generator=gen)
+            self.index = 0
+        assert self.buffer is not None
+        noise_B_V = self.buffer[:, self.index]
+        self.index += 1
+        return noise_B_V
+
+    def select(self, index_B: torch.Tensor, keep: list[int]) -> None:
+        """Keep the rows `keep` (their positions in the current batch)."""
+        self.generators = [self.generators[b] for b in keep]
+        if self.buffer is not None:
+            self.buffer = self.buffer.index_select(0, index_B)
+
+
 def _choose_tokens(
     logits_B_V: torch.Tensor,
     temperature_B: torch.Tensor,
     top_p_B: torch.Tensor,
     top_k_B: torch.Tensor,
-    generators: list[torch.Generator | None],
+    noise: _ExponentialNoise,
     any_filter: bool,
 ) -> torch.Tensor:
     """Next token per row: argmax where temperature is 0, else a filtered categorical draw."""
@@ -109,15 +151,8 @@ def _choose_tokens(
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
     probs_B_V = torch.softmax(scaled, dim=-1)
     # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race), and far cheaper
-    # than torch.multinomial on small batches; seeded rows draw their noise from their own
-    # generator so a seeded sample does not depend on the rest of the batch.
-    noise_B_V = torch.empty_like(probs_B_V)
-    if all(g is None for g in generators):
-        noise_B_V.exponential_()
-    else:
-        for i, gen in enumerate(generators):
-            noise_B_V[i].exponential_(generator=gen)
-    sampled_B = (probs_B_V / noise_B_V).argmax(dim=-1)
+    # than torch.multinomial on small batches.
+    sampled_B = (probs_B_V / noise.next()).argmax(dim=-1)
     return torch.where(greedy_B, tokens_B, sampled_B)
 
 
@@ -185,7 +220,11 @@ def generate(
     # A stop string of k characters spans at most 4k byte-level tokens: decode only that tail.
     windows = [4 * max((len(s) for s in strs), default=0) + 1 for strs in stop_strings]
     max_tokens = [p.max_tokens for p in row_params]
-    generators = [_row_generator(p.seed, idx, device) for p, idx in zip(row_params, indices)]
+    noise = _ExponentialNoise(
+        [_row_generator(p.seed, idx, device) for p, idx in zip(row_params, indices)],
+        vocab,
+        device,
+    )
     any_filter = any(p.top_p < 1.0 or p.top_k > 0 for p in row_params)
 
     pad_id = tokenizer.pad_token_id if tokenizer is not None else None
@@ -219,35 +258,20 @@ def generate(
     reasons: list[str] = ["length"] * n_rows
     active = list(range(n_rows))  # original row index of each batch row
 
-    def route(row_keys: list[str | None]):
-        if host is None or all(k is None for k in row_keys):
-            return nullcontext()
-        return host.route(row_keys)
-
-    cache = DynamicCache(config=model.config)
-    with route(unique_keys):
-        out = model(
-            input_ids=input_ids_U_L,
-            attention_mask=mask_U_L,
-            position_ids=positions_U_L,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    cache = out.cache
-    logits_B_V = out.logits[:, -1, :].float()
-    next_pos_B = positions_U_L[:, -1:] + 1
-    mask_B_L = mask_U_L
+    decoder = decoder_for(model, host)
+    capacity = width + max(max_tokens)
+    logits_B_V, state = decoder.prefill(
+        input_ids_U_L, mask_U_L, positions_U_L, unique_keys, capacity
+    )
+    logits_B_V = logits_B_V.float()
+    next_pos_B = positions_U_L[:, -1] + 1
     if len(unique_prompts) < n_rows:
         idx = torch.tensor(expand, device=device)
-        cache.batch_select_indices(idx)
-        logits_B_V, next_pos_B, mask_B_L = (
-            t.index_select(0, idx) for t in (logits_B_V, next_pos_B, mask_U_L)
-        )
+        decoder.select(state, idx)
+        logits_B_V, next_pos_B = (t.index_select(0, idx) for t in (logits_B_V, next_pos_B))
 
     while True:
-        gens = [generators[r] for r in active]
-        tokens_B = _choose_tokens(logits_B_V, temperature_B, top_p_B, top_k_B, gens, any_filter)
+        tokens_B = _choose_tokens(logits_B_V, temperature_B, top_p_B, top_k_B, noise, any_filter)
         logp_B_V = torch.log_softmax(logits_B_V, dim=-1)
         logprobs_B = logp_B_V.gather(-1, tokens_B.unsqueeze(-1))
         tokens_list = tokens_B.tolist()
@@ -276,25 +300,15 @@ def generate(
         if len(keep) < len(active):
             # Drop finished rows everywhere: cache, mask, positions and per-row settings.
             idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            mask_B_L = mask_B_L.index_select(0, idx)
+            decoder.select(state, idx)
+            noise.select(idx, keep)
             next_pos_B = next_pos_B.index_select(0, idx)
             temperature_B, top_p_B, top_k_B = (
                 t.index_select(0, idx) for t in (temperature_B, top_p_B, top_k_B)
             )
             tokens_B = tokens_B.index_select(0, idx)
             active = [active[b] for b in keep]
-        mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(active), 1))], dim=1)
-        with route([keys[r] for r in active]):
-            out = model(
-                input_ids=tokens_B.unsqueeze(-1),
-                attention_mask=mask_B_L,
-                position_ids=next_pos_B,
-                cache=cache,
-                use_cache=True,
-            )
-        cache = out.cache
-        logits_B_V = out.logits[:, -1, :].float()
+        logits_B_V = decoder.step(tokens_B, next_pos_B, [keys[r] for r in active], state).float()
         next_pos_B = next_pos_B + 1
 
     return [

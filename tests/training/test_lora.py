@@ -121,6 +121,45 @@ def test_it_matches_peft_with_rows_grouped_by_adapter(setup, keys):
         torch.testing.assert_close(logits[row : row + 1], expected, atol=ATOL, rtol=0)
 
 
+def test_it_keeps_stacked_copies_of_frozen_adapters_only_while_they_are_registered(
+    tiny_model_factory,
+):
+    """Frozen adapters' stacked A/B are reused across calls; a key registered again with other
+    weights, and live weights changed in place, are seen at once."""
+    model = tiny_model_factory()
+    host = LoRAHost(model, DEFAULT_TARGET_MODULES, stack_min_adapters=2)
+    first = {f"p{i}": random_adapter(host, seed=i) for i in range(3)}
+    for key, weights in first.items():
+        host.register(key, weights, ALPHA / RANK, frozen=key != "p2")
+    ids = torch.randint(3, 290, (6, 8), generator=torch.Generator().manual_seed(5))
+
+    def check(adapters, keys):
+        reference = peft_with(tiny_model_factory(), adapters)
+        with torch.no_grad(), host.route(keys):
+            out = model(input_ids=ids).logits
+        for row, key in enumerate(keys):
+            expected = peft_logits(reference, key, ids[row : row + 1])
+            torch.testing.assert_close(out[row : row + 1], expected, atol=ATOL, rtol=0)
+
+    frozen_keys = ["p0", "p0", "p0", "p1", "p1", "p1"]
+    check(first, frozen_keys)
+    assert ("p0", "p1") in host._state.stack_cache
+    check(first, frozen_keys)  # served from the kept stacks
+    # Same key, new weights: the kept stacks of that key are dropped.
+    host.unregister("p1")
+    assert ("p0", "p1") not in host._state.stack_cache
+    second = {**first, "p1": random_adapter(host, seed=10)}
+    host.register("p1", second["p1"], ALPHA / RANK, frozen=True)
+    check(second, frozen_keys)
+    # Live weights (p2 is not frozen) are stacked afresh each call: in-place changes show.
+    live_keys = ["p0", "p0", "p2", "p2", "p1", "p1"]
+    check(second, live_keys)
+    with torch.no_grad():
+        for _, b in second["p2"].values():
+            b.mul_(-2.0)
+    check(second, live_keys)
+
+
 def test_it_matches_peft_when_every_row_uses_one_adapter(setup):
     host_model, host, reference = setup
     ids = torch.randint(3, 290, (3, 7), generator=torch.Generator().manual_seed(1))

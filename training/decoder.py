@@ -1,0 +1,358 @@
+"""KV-cache decoding of Qwen2- and Llama-architecture models without the Hugging Face loop.
+
+`generate` (training/sampler.py) drives a model through one of two backends with the same
+three calls, `prefill`, `step` and `select`:
+
+- `FusedDecoder` runs the decoder layers itself for the architectures whose layer it knows
+  (Qwen2, Llama: RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP). It calls
+  the model's own modules for every projection, so `MultiLoRALinear` routing, biases and the
+  LoRA on the output head apply unchanged, and the model's own rotary module for cos/sin, so
+  every rotary scaling type applies. What it does differently is what a decode step costs
+  outside the matmuls: the KV cache is preallocated for the whole call and written in place
+  (no concatenation per step), the padding mask is one preallocated boolean table, cos/sin
+  are computed once for every position the call can reach, and a decode step attends with
+  the query heads of each KV head grouped together, so the cache is never repeated per head
+  and no causal mask is built (one new token sees every cached position).
+- `HFDecoder` calls the model's forward with a `DynamicCache`: any other causal LM.
+
+Both return the same logits (tests/training/test_decoder.py compares them within 1e-5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    from training.lora import LoRAHost
+
+# Architectures whose decoder layer FusedDecoder reproduces exactly.
+_FUSED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+def _route(host: LoRAHost | None, keys: Sequence[str | None]) -> AbstractContextManager[None]:
+    if host is None or all(k is None for k in keys):
+        return nullcontext()
+    return host.route(keys)
+
+
+class HFDecoder:
+    """The model's own forward with a `DynamicCache`."""
+
+    def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
+        self.model = model
+        self.host = host
+
+    def prefill(
+        self,
+        input_ids_B_L: torch.Tensor,
+        mask_B_L: torch.Tensor,
+        positions_B_L: torch.Tensor,
+        keys_B: Sequence[str | None],
+        capacity: int,
+    ) -> tuple[torch.Tensor, _HFState]:
+        cache = DynamicCache(config=self.model.config)
+        with _route(self.host, keys_B):
+            out = self.model(
+                input_ids=input_ids_B_L,
+                attention_mask=mask_B_L,
+                position_ids=positions_B_L,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1, :], _HFState(out.cache, mask_B_L)
+
+    def step(
+        self,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        keys_B: Sequence[str | None],
+        state: _HFState,
+    ) -> torch.Tensor:
+        mask = state.mask_B_L
+        state.mask_B_L = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        with _route(self.host, keys_B):
+            out = self.model(
+                input_ids=tokens_B.unsqueeze(-1),
+                attention_mask=state.mask_B_L,
+                position_ids=positions_B.unsqueeze(-1),
+                cache=state.cache,
+                use_cache=True,
+            )
+        state.cache = out.cache
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def select(state: _HFState, index_B: torch.Tensor) -> None:
+        state.cache.batch_select_indices(index_B)
+        state.mask_B_L = state.mask_B_L.index_select(0, index_B)
+
+
+class _HFState:
+    def __init__(self, cache: Any, mask_B_L: torch.Tensor) -> None:
+        self.cache = cache
+        self.mask_B_L = mask_B_L
+
+
+class _FusedState:
+    """Per-call cache: keys/values (layers, B, kv_heads, capacity, head_dim), filled up to
+    `length`; `bias_B_T` is 0 where a row may attend and -inf on its left padding."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias_B_T: torch.Tensor,
+        cos_T_D: torch.Tensor,
+        sin_T_D: torch.Tensor,
+        length: int,
+    ) -> None:
+        self.keys = keys
+        self.values = values
+        self.bias_B_T = bias_B_T
+        self.cos_T_D = cos_T_D
+        self.sin_T_D = sin_T_D
+        self.length = length
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # One fused kernel; the same arithmetic as the module in float32.
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    # As Qwen2RMSNorm / LlamaRMSNorm: statistics in float32, scale in the input dtype.
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x32.to(dtype)
+
+
+class FusedDecoder:
+    """Runs the decoder layers of a Qwen2 / Llama model for prefill and decode (see module)."""
+
+    def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
+        self.model = model
+        self.host = host
+        config = model.config
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.group = self.num_heads // self.num_kv_heads
+        self.scale = self.head_dim**-0.5
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """True for the architectures and settings this decoder computes exactly."""
+        if type(model).__name__ not in _FUSED_ARCHITECTURES:
+            return False
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            return False  # sliding-window layers
+        if getattr(config, "use_sliding_window", False):
+            return False
+        if model.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            return False
+        inner = getattr(model, "model", None)
+        if inner is None or not all(
+            hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+        ):
+            return False
+        for layer in inner.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if attn is None or mlp is None:
+                return False
+            # Qwen3-style q/k norms are not part of this layer.
+            if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+                return False
+            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                return False
+        return hasattr(model, "lm_head")
+
+    # -- the three calls --------------------------------------------------------------------
+
+    def prefill(
+        self,
+        input_ids_B_L: torch.Tensor,
+        mask_B_L: torch.Tensor,
+        positions_B_L: torch.Tensor,
+        keys_B: Sequence[str | None],
+        capacity: int,
+    ) -> tuple[torch.Tensor, _FusedState]:
+        """Run the prompts, fill the cache, return the logits after each prompt's last token.
+
+        The projections and MLPs run over the prompts' real tokens only, packed one after
+        another (left padding costs no matmul work); attention scatters them into the padded
+        (B, heads, L, D) layout the cache keeps and gathers the result back.
+        """
+        batch, length = input_ids_B_L.shape
+        capacity = max(capacity, length)
+        valid_B_L = mask_B_L.bool()
+        lengths = valid_B_L.sum(dim=1).tolist()
+        packed_N = valid_B_L.reshape(-1).nonzero().squeeze(1)  # flat (row, column) of tokens
+        x = self.inner.embed_tokens(input_ids_B_L.reshape(-1)[packed_N]).unsqueeze(1)  # (N,1,H)
+        tokens = x.shape[0]
+        device, dtype = x.device, x.dtype
+        # cos/sin of every position this call can reach, computed once.
+        all_positions = torch.arange(capacity, device=device).unsqueeze(0)
+        cos_T_D, sin_T_D = self.inner.rotary_emb(x, all_positions)
+        cos_T_D, sin_T_D = cos_T_D[0].to(dtype), sin_T_D[0].to(dtype)
+        state = _FusedState(
+            keys=torch.zeros(
+                (len(self.layers), batch, self.num_kv_heads, capacity, self.head_dim),
+                device=device,
+                dtype=dtype,
+            ),
+            values=torch.zeros(
+                (len(self.layers), batch, self.num_kv_heads, capacity, self.head_dim),
+                device=device,
+                dtype=dtype,
+            ),
+            bias_B_T=torch.zeros((batch, capacity), device=device, dtype=dtype),
+            cos_T_D=cos_T_D,
+            sin_T_D=sin_T_D,
+            length=length,
+        )
+        state.bias_B_T[:, :length].masked_fill_(~valid_B_L, float("-inf"))
+        token_positions = positions_B_L.reshape(-1)[packed_N]
+        cos = cos_T_D[token_positions].unsqueeze(1)  # (N, 1, D)
+        sin = sin_T_D[token_positions].unsqueeze(1)
+        causal_L_L = torch.ones((length, length), device=device, dtype=torch.bool).tril()
+        # A padded query position sees itself only, which keeps its (unused) output finite.
+        mask_B_1_L_L = (causal_L_L & valid_B_L[:, None, :]) | torch.eye(
+            length, device=device, dtype=torch.bool
+        )
+        mask_B_1_L_L = mask_B_1_L_L.unsqueeze(1)
+        padded_q = torch.zeros(
+            (batch * length, self.num_heads, self.head_dim), device=device, dtype=dtype
+        )
+        padded_kv = torch.zeros(
+            (batch * length, self.num_kv_heads, self.head_dim), device=device, dtype=dtype
+        )
+
+        def to_padded(buffer: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+            # (N, heads, D) -> (B, heads, L, D)
+            buffer.index_copy_(0, packed_N, packed)
+            return buffer.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        token_keys = [key for key, n in zip(keys_B, lengths) for _ in range(n)]
+        with _route(self.host, token_keys):
+            for index, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                h = _rms_norm(layer.input_layernorm, x)
+                q = attn.q_proj(h).view(tokens, self.num_heads, self.head_dim)
+                k = attn.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+                v = attn.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+                state.keys[index, :, :, :length] = to_padded(padded_kv, k)
+                state.values[index, :, :, :length] = to_padded(padded_kv, v)
+                out = F.scaled_dot_product_attention(
+                    to_padded(padded_q, q),
+                    state.keys[index, :, :, :length],
+                    state.values[index, :, :, :length],
+                    attn_mask=mask_B_1_L_L,
+                    scale=self.scale,
+                    enable_gqa=self.group > 1,
+                )
+                out = out.transpose(1, 2).reshape(batch * length, -1).index_select(0, packed_N)
+                x = x + attn.o_proj(out.unsqueeze(1))
+                x = x + self._mlp(layer, x)
+        last_B = torch.tensor(lengths, device=device).cumsum(0) - 1
+        with _route(self.host, keys_B):
+            return self._logits(x.index_select(0, last_B)), state
+
+    def step(
+        self,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        keys_B: Sequence[str | None],
+        state: _FusedState,
+    ) -> torch.Tensor:
+        with _route(self.host, keys_B):
+            return self._step(tokens_B, positions_B, state)
+
+    def _step(
+        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, state: _FusedState
+    ) -> torch.Tensor:
+        batch = tokens_B.shape[0]
+        t = state.length
+        if t >= state.keys.shape[3]:
+            raise RuntimeError(f"decode past the cache capacity ({state.keys.shape[3]})")
+        x = self.inner.embed_tokens(tokens_B.unsqueeze(-1))  # (B, 1, H)
+        cos = state.cos_T_D[positions_B][:, None, None, :]  # (B, 1, 1, D)
+        sin = state.sin_T_D[positions_B][:, None, None, :]
+        # Additive mask (0 or -inf) for the B * kv_heads attention rows: (B * kv, group, t+1).
+        bias = state.bias_B_T[:, None, None, : t + 1].expand(
+            batch, self.num_kv_heads, self.group, t + 1
+        )
+        bias = bias.reshape(batch * self.num_kv_heads, self.group, t + 1)
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = _rms_norm(layer.input_layernorm, x)
+            # Query heads grouped by the KV head they read: (B, kv_heads, group, D).
+            q = attn.q_proj(h).view(batch, self.num_kv_heads, self.group, self.head_dim)
+            k = attn.k_proj(h).view(batch, self.num_kv_heads, 1, self.head_dim)
+            v = attn.v_proj(h).view(batch, self.num_kv_heads, 1, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = state.keys[index], state.values[index]
+            keys[:, :, t : t + 1] = k
+            values[:, :, t : t + 1] = v
+            # One new token sees every cached position: no causal mask, only the padding.
+            # Two small bmm calls beat the fused attention kernel at these sizes (its mask
+            # handling costs more than the arithmetic).
+            rows = batch * self.num_kv_heads
+            scores = torch.baddbmm(
+                bias,
+                q.reshape(rows, self.group, self.head_dim),
+                keys[:, :, : t + 1].reshape(rows, t + 1, self.head_dim).transpose(1, 2),
+                alpha=self.scale,
+            )
+            out = torch.bmm(
+                torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype),
+                values[:, :, : t + 1].reshape(rows, t + 1, self.head_dim),
+            )
+            x = x + attn.o_proj(out.view(batch, 1, self.num_heads * self.head_dim))
+            x = x + self._mlp(layer, x)
+        state.length = t + 1
+        return self._logits(x)
+
+    @staticmethod
+    def select(state: _FusedState, index_B: torch.Tensor) -> None:
+        state.keys = state.keys.index_select(1, index_B)
+        state.values = state.values.index_select(1, index_B)
+        state.bias_B_T = state.bias_B_T.index_select(0, index_B)
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        h = _rms_norm(layer.post_attention_layernorm, x)
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+    def _logits(self, x_B_1_H: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(_rms_norm(self.inner.norm, x_B_1_H))[:, -1, :]
+
+
+def decoder_for(model: nn.Module, host: LoRAHost | None = None) -> FusedDecoder | HFDecoder:
+    """The fastest exact backend for `model`; `host` routes rows to LoRA adapters."""
+    if FusedDecoder.supports(model):
+        return FusedDecoder(model, host)
+    return HFDecoder(model, host)
