@@ -345,7 +345,10 @@ class FusedDecoder:
     def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         h = _rms_norm(layer.post_attention_layernorm, x)
-        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        hidden = mlp.act_fn(mlp.gate_proj(h))
+        # The activation returns a new tensor: scale it in place when no graph is recorded.
+        hidden = hidden * mlp.up_proj(h) if torch.is_grad_enabled() else hidden.mul_(mlp.up_proj(h))
+        return mlp.down_proj(hidden)
 
     def _logits(self, x_B_1_H: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(_rms_norm(self.inner.norm, x_B_1_H))[:, -1, :]

@@ -82,7 +82,17 @@ class _RouteState:
             tuple[str, ...], dict[str, tuple[torch.Tensor, torch.Tensor]]
         ] = OrderedDict()
 
-    def stacked_weights(
+    def kept_stack(
+        self, name: str, keys: tuple[str, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stacked A and B of module `name` for `keys`, if kept (see `stack`)."""
+        per_module = self.stack_cache.get(keys)
+        if per_module is None:
+            return None
+        self.stack_cache.move_to_end(keys)
+        return per_module.get(name)
+
+    def stack(
         self,
         name: str,
         keys: tuple[str, ...],
@@ -91,19 +101,13 @@ class _RouteState:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch.stack` of the adapters' A and B; kept across calls when every adapter is
         frozen (live training weights change in place and need their autograd graph)."""
-        if not self.frozen.issuperset(keys):
-            return torch.stack(a_list), torch.stack(b_list)
-        per_module = self.stack_cache.get(keys)
-        if per_module is None:
-            per_module = self.stack_cache[keys] = {}
+        stacked = (torch.stack(a_list), torch.stack(b_list))
+        if self.frozen.issuperset(keys):
+            per_module = self.stack_cache.setdefault(keys, {})
+            per_module[name] = stacked
             while len(self.stack_cache) > self.STACK_CACHE_COMBINATIONS:
                 self.stack_cache.popitem(last=False)
-        else:
-            self.stack_cache.move_to_end(keys)
-        entry = per_module.get(name)
-        if entry is None:
-            entry = per_module[name] = (torch.stack(a_list), torch.stack(b_list))
-        return entry
+        return stacked
 
 
 class MultiLoRALinear(nn.Module):
@@ -198,20 +202,24 @@ class MultiLoRALinear(nn.Module):
         self, x: torch.Tensor, out: torch.Tensor, stacked: _Stacked
     ) -> torch.Tensor | None:
         """All adapters in one gather, two bmm calls and one scatter; None if not applicable."""
-        entries = [self.adapters.get(key) for key in stacked.keys]
-        if any(e is None for e in entries):
-            return None
-        a_list = [e[0] for e in entries]  # type: ignore[index]
-        b_list = [e[1] for e in entries]  # type: ignore[index]
-        rank = a_list[0].shape[0]
-        dtype = a_list[0].dtype
-        if any(a.shape[0] != rank or a.dtype != dtype for a in a_list) or dtype != out.dtype:
-            # Mixed ranks or dtypes: the per-adapter loop handles them.
-            return None
+        dtype = out.dtype
+        kept = self._state.kept_stack(self.name, stacked.keys)
+        if kept is None:
+            entries = [self.adapters.get(key) for key in stacked.keys]
+            if any(e is None for e in entries):
+                return None
+            a_list = [e[0] for e in entries]  # type: ignore[index]
+            b_list = [e[1] for e in entries]  # type: ignore[index]
+            rank = a_list[0].shape[0]
+            if any(a.shape[0] != rank or a.dtype != dtype for a in a_list):
+                # Mixed ranks or dtypes: the per-adapter loop handles them.
+                return None
+            # (K, r, in) and (K, out, r)
+            kept = self._state.stack(self.name, stacked.keys, a_list, b_list)
+        a_K, b_K = kept
+        rank = a_K.shape[1]
         num_keys, slots = len(stacked.keys), stacked.slots
         length = x.shape[1]
-        # (K, r, in) and (K, out, r)
-        a_K, b_K = self._state.stacked_weights(self.name, stacked.keys, a_list, b_list)
         if stacked.index is None:
             xs = x.reshape(num_keys, slots * length, -1).to(dtype)
             hidden = torch.bmm(xs, a_K.transpose(1, 2)) * stacked.weight_K_G[:, 0]  # (K, G*T, r)
