@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from training import data, ops, rl
+from training import data, onednn, ops, rl
 from training.engine import Engine
 from training.lora import DEFAULT_TARGET_MODULES
 from training.sampler import SampleRequest, generate, sample
@@ -200,8 +200,25 @@ def bench_sample(model_path: str) -> dict[str, float]:
                 )
                 assert out.shape[1] == width + SAMPLE_TOKENS
 
+    def ours_without_onednn() -> None:
+        # The same call with every projection through F.linear (MKL), as the baseline runs.
+        saved = onednn._state.get("ok")
+        onednn._state["ok"] = False
+        try:
+            ours()
+        finally:
+            onednn._state["ok"] = saved
+
     mine, base = _interleaved(ours, theirs, rounds=3, reps=2)
-    return {"ours_s": mine, "peft_s": base, "ratio": base / mine}
+    mkl, _ = _interleaved(ours_without_onednn, theirs, rounds=1, reps=3)
+    return {
+        "ours_s": mine,
+        "peft_s": base,
+        "ratio": base / mine,
+        "ours_mkl_s": mkl,
+        "ratio_mkl": base / mkl,
+        "onednn": bool(onednn.available()),
+    }
 
 
 # -- 3. GRPO step ----------------------------------------------------------------------------
@@ -363,6 +380,11 @@ def main() -> None:
             f"2. multi-LoRA sampling {N_ADAPTERS} adapters x {PROMPTS_PER_ADAPTER} prompts x "
             f"{SAMPLE_TOKENS} tokens: {r['ours_s'] * 1000:.0f} ms vs {N_ADAPTERS} sequential peft "
             f"generate {r['peft_s'] * 1000:.0f} ms: {r['ratio']:.2f}x (goal >= 3x)"
+        )
+        print(
+            f"   projections through F.linear (MKL) as in the baseline, instead of oneDNN "
+            f"({'used' if r['onednn'] else 'not available'}): {r['ours_mkl_s'] * 1000:.0f} ms, "
+            f"{r['ratio_mkl']:.2f}x"
         )
     if "grpo" in wanted:
         r = bench_grpo(args.model, args.grpo_steps)

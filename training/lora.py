@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training import onednn
+
 # Projection names of Qwen2 / Llama / Mistral decoder layers.
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -135,7 +137,7 @@ class MultiLoRALinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = onednn.linear(x, self.weight, self.bias)
         groups = self._state.groups
         if not groups:
             return out
