@@ -149,3 +149,48 @@ def test_generate_gives_the_same_tokens_with_either_backend(
         torch.testing.assert_close(
             torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-4, rtol=0
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    ("dtype", "atol"),
+    [(torch.float32, 1e-4), (torch.bfloat16, 0.15)],
+    ids=["float32", "bfloat16"],
+)
+def test_it_matches_the_model_forward_on_cuda(tiny_tokenizer, dtype, atol):
+    model = build_tiny_model(len(tiny_tokenizer)).to("cuda", dtype)
+    host = LoRAHost(model, DEFAULT_TARGET_MODULES)
+    for i in range(2):
+        weights = {
+            name: (a.to("cuda", dtype), b.to("cuda", dtype))
+            for name, (a, b) in random_adapter(host, seed=i).items()
+        }
+        host.register(f"p{i}", weights, 2.0, frozen=True)
+    keys = ["p0", None, "p1", "p0", "p1"]
+
+    def on_cuda(decoder):
+        ids, mask, positions = (t.cuda() for t in _padded(PROMPTS))
+        with torch.no_grad():
+            logits, state = decoder.prefill(ids, mask, positions, keys, ids.shape[1] + 4)
+            out = [logits.float().log_softmax(-1)]
+            next_pos = positions[:, -1] + 1
+            for step in range(4):
+                tokens = (torch.arange(len(keys)) * 13 + step * 7 + 3).cuda()
+                out.append(decoder.step(tokens, next_pos, keys, state).float().log_softmax(-1))
+                next_pos = next_pos + 1
+        return out
+
+    fused, reference = on_cuda(FusedDecoder(model, host)), on_cuda(HFDecoder(model, host))
+    for got, expected in zip(fused, reference):
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    seqs = generate(
+        model,
+        tiny_tokenizer,
+        PROMPTS,
+        SamplingParams(max_tokens=6, temperature=1.0, seed=2),
+        adapters=keys,
+        host=host,
+        stop_on_eos=False,
+    )
+    assert all(len(s.tokens) == 6 for s in seqs)
