@@ -73,23 +73,15 @@ def test_it_matches_the_model_forward_with_mixed_adapters(tiny_model, stack_min)
 
 
 def test_it_matches_the_model_forward_on_llama_with_biases_and_rope_scaling():
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
+    model = build_tiny_model(
+        300,
+        architecture=(LlamaConfig, LlamaForCausalLM),
         intermediate_size=96,
-        num_hidden_layers=2,
         num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
         attention_bias=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.08)
     assert FusedDecoder.supports(model)
     host = LoRAHost(model, DEFAULT_TARGET_MODULES)
     host.register("a", random_adapter(host, seed=4), 2.0)
