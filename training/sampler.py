@@ -12,7 +12,8 @@ saved for backward.
 
 Returned logprobs are those of the model's own distribution (log-softmax of the raw logits,
 before temperature, top-k and top-p), i.e. what a forward pass over the same tokens gives; RL
-losses compare them against training-time logprobs."""
+losses compare them against training-time logprobs.
+"""
 
 from __future__ import annotations
 
