@@ -115,6 +115,16 @@ class Op:
         return int(self.fields.get("seq", 0))
 
 
+def _fail_request(op: Op, exc: Exception, what: str) -> None:
+    """End `op`'s future with `exc`: a `RequestError` as the caller's error (its category),
+    anything else as a server error, logged with its traceback (call from the handler)."""
+    if isinstance(exc, RequestError):
+        futures.fail(op.rid, str(exc), exc.category)
+        return
+    log.exception("request %s (%s) failed", op.rid, what)
+    futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+
+
 def target_modules(config: Mapping[str, Any], unembed: str | None = "lm_head") -> tuple[str, ...]:
     """LoRA targets of a model's ``lora_config``; ``unembed`` names the base model's output
     head (``train_unembed``: LoRA on the unembedding, as the SDK documents it)."""
@@ -519,12 +529,8 @@ class ModelWorker:
         try:
             handler: Callable[[Op], dict[str, Any]] = getattr(self, f"_op_{op.kind}")
             body = handler(op)
-        except RequestError as exc:
-            futures.fail(op.rid, str(exc), exc.category)
-            return
-        except Exception as exc:
-            log.exception("request %s (%s) failed", op.rid, op.kind)
-            futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+        except Exception as exc:  # noqa: BLE001 - reported by _fail_request
+            _fail_request(op, exc, op.kind)
             return
         futures.complete(op.rid, json_body=json.dumps(body).encode())
 
@@ -575,11 +581,8 @@ class ModelWorker:
                 except (TypeError, ValueError) as exc:
                     raise RequestError(f"adam_params: {exc}") from exc
                 ready.append((op, self._policy(op.model), adam))
-            except RequestError as exc:
-                futures.fail(op.rid, str(exc), exc.category)
-            except Exception as exc:
-                log.exception("request %s (optim) failed", op.rid)
-                futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+            except Exception as exc:  # noqa: BLE001 - reported by _fail_request
+                _fail_request(op, exc, "optim")
         if not ready:
             return
         try:
@@ -647,11 +650,8 @@ class ModelWorker:
                 datums = _datums(batch, team)
                 policy = self._policy(op.model)
                 prepared.append((op, batch, datums, policy))
-            except RequestError as exc:
-                futures.fail(op.rid, str(exc), exc.category)
-            except Exception as exc:
-                log.exception("request %s: bad forward/backward", op.rid)
-                futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+            except Exception as exc:  # noqa: BLE001 - reported by _fail_request
+                _fail_request(op, exc, "forward/backward")
         if not prepared:
             return
         try:

@@ -85,6 +85,22 @@ def drain(worker: ModelWorker) -> None:
         pass
 
 
+def batch_sizes(monkeypatch: pytest.MonkeyPatch, name: str, arg: int) -> list[int]:
+    """Wrap `training.ops.<name>` so that every call records len(args[arg]): how many
+    datums or policies went into one engine call."""
+    from training import ops
+
+    sizes: list[int] = []
+    real = getattr(ops, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(args[arg]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, name, recording)
+    return sizes
+
+
 ROWS_A = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
 ROWS_B = [[20, 21, 22, 23]]
 
@@ -92,16 +108,7 @@ ROWS_B = [[20, 21, 22, 23]]
 def test_it_batches_two_models_into_one_engine_call_with_their_own_results(
     base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from training import ops
-
-    calls: list[int] = []
-    real = ops.forward_backward
-
-    def counting(policies: Any, datums: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(datums))
-        return real(policies, datums, *args, **kwargs)
-
-    monkeypatch.setattr(ops, "forward_backward", counting)
+    calls = batch_sizes(monkeypatch, "forward_backward", arg=1)  # datums per call
 
     together = ModelWorker(BASE, str(base_model_dir), "cpu", "w-together")
     create("a", 1), create("b", 2)
@@ -189,16 +196,7 @@ def optim(model: str, seq: int, **adam: Any) -> str:
 def test_it_steps_the_optimizers_of_ready_models_in_one_update(
     base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from training import ops
-
-    calls: list[int] = []
-    real = ops.optim_steps
-
-    def counting(policies: Any, adams: Any) -> Any:
-        calls.append(len(policies))
-        return real(policies, adams)
-
-    monkeypatch.setattr(ops, "optim_steps", counting)
+    calls = batch_sizes(monkeypatch, "optim_steps", arg=0)  # policies per call
     worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-optim")
     create("a", 1), create("b", 2), create("c", 3)
     drain(worker)
@@ -229,16 +227,7 @@ def test_it_steps_the_optimizers_of_ready_models_in_one_update(
 def test_it_holds_a_ready_batch_briefly_for_other_active_models(
     base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from training import ops
-
-    calls: list[int] = []
-    real = ops.forward_backward
-
-    def counting(policies: Any, datums: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(datums))
-        return real(policies, datums, *args, **kwargs)
-
-    monkeypatch.setattr(ops, "forward_backward", counting)
+    calls = batch_sizes(monkeypatch, "forward_backward", arg=1)  # datums per call
     monkeypatch.delenv("OPENTINKER_TINKER_GATHER_MS", raising=False)
     worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-gather")
     # On a CPU a batch costs what its parts cost: no waiting unless configured.

@@ -8,6 +8,7 @@ number against a direct torch computation on the same base model.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,152 +201,157 @@ def _prompt_whose_greedy_token_is_eos(model: Any, eos: set[int]) -> list[int]:
     return pairs[hit].tolist()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_it_samples_with_topk_target_and_alternative_logprobs_that_match_torch(
+@pytest.fixture
+def base_sampler(
     server: str,  # noqa: F811
     owner_key: tuple[Any, str],
     base_model_dir: Path,
-) -> None:
+) -> Iterator[tuple[Any, Any, Any]]:
+    """(torch model, tokenizer, an SDK sampling client of the base model on the live server):
+    the live tests compare the server's numbers with the model's own."""
     model, tokenizer = _hf_model(base_model_dir)
     with service_client(server, owner_key[1]) as service:
-        sampler = service.create_sampling_client(base_model=BASE_NAME).result()
-        prompt = tokenizer.encode("12+7=19. the quick", add_special_tokens=False)
-        n = len(prompt)
-        logp = _logp(model, prompt)
-        targets = torch.full((n - 1, 2), -1, dtype=torch.int64)
-        targets[0, 0], targets[n - 2, 1], targets[n // 2, 0] = 5, 9, prompt[n // 2 + 1]
+        yield model, tokenizer, service.create_sampling_client(base_model=BASE_NAME).result()
 
-        greedy = sampler.sample(
-            types.ModelInput.from_ints(prompt),
-            num_samples=2,
-            sampling_params=types.SamplingParams(max_tokens=3, temperature=0.0, stop=[]),
-            include_prompt_logprobs=True,
-            topk_prompt_logprobs=3,
-            topk_sample_logprobs=4,
-            target_prompt_logprobs=types.TensorData.from_torch(targets),
-            prompt_alt_tokens_k=2,
-        ).result()
 
-        expected = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        assert greedy.prompt_logprobs[0] is None
-        np.testing.assert_allclose(greedy.prompt_logprobs[1:], expected.numpy(), atol=1e-4)
-        topk = greedy.topk_prompt_logprobs
-        assert topk is not None and topk[0] is None and len(topk) == n
-        for row, entries in enumerate(topk[1:]):
-            ref = logp[row].topk(3)
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_it_samples_with_topk_target_and_alternative_logprobs_that_match_torch(
+    base_sampler: tuple[Any, Any, Any],
+) -> None:
+    model, tokenizer, sampler = base_sampler
+    prompt = tokenizer.encode("12+7=19. the quick", add_special_tokens=False)
+    n = len(prompt)
+    logp = _logp(model, prompt)
+    targets = torch.full((n - 1, 2), -1, dtype=torch.int64)
+    targets[0, 0], targets[n - 2, 1], targets[n // 2, 0] = 5, 9, prompt[n // 2 + 1]
+
+    greedy = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=3, temperature=0.0, stop=[]),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=4,
+        target_prompt_logprobs=types.TensorData.from_torch(targets),
+        prompt_alt_tokens_k=2,
+    ).result()
+
+    expected = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert greedy.prompt_logprobs[0] is None
+    np.testing.assert_allclose(greedy.prompt_logprobs[1:], expected.numpy(), atol=1e-4)
+    topk = greedy.topk_prompt_logprobs
+    assert topk is not None and topk[0] is None and len(topk) == n
+    for row, entries in enumerate(topk[1:]):
+        ref = logp[row].topk(3)
+        assert [t for t, _ in entries] == ref.indices.tolist()
+        np.testing.assert_allclose([v for _, v in entries], ref.values.numpy(), atol=1e-4)
+    got_targets = greedy.target_prompt_logprobs.to_torch().reshape(n - 1, 2)
+    ref_targets = torch.where(targets >= 0, logp.gather(1, targets.clamp(min=0)), torch.zeros(()))
+    torch.testing.assert_close(got_targets, ref_targets, atol=1e-4, rtol=0)
+    alt = greedy.prompt_alt_tokens
+    alt_tokens = alt.tokens.to_torch().reshape(n - 1, 2)
+    # Temperature 0: every draw is the most likely token.
+    assert (alt_tokens == logp.argmax(-1, keepdim=True)).all()
+    torch.testing.assert_close(
+        alt.logprobs.to_torch().reshape(n - 1, 2),
+        logp.gather(1, alt_tokens),
+        atol=1e-4,
+        rtol=0,
+    )
+    for seq in greedy.sequences:
+        assert seq.stop_reason == "length" and len(seq.tokens) == 3
+        full = _logp(model, prompt + seq.tokens)[n - 1 :]
+        assert len(seq.topk_logprobs) == 3
+        for pos, entries in enumerate(seq.topk_logprobs):
+            ref = full[pos].topk(4)
             assert [t for t, _ in entries] == ref.indices.tolist()
-            np.testing.assert_allclose([v for _, v in entries], ref.values.numpy(), atol=1e-4)
-        got_targets = greedy.target_prompt_logprobs.to_torch().reshape(n - 1, 2)
-        ref_targets = torch.where(
-            targets >= 0, logp.gather(1, targets.clamp(min=0)), torch.zeros(())
-        )
-        torch.testing.assert_close(got_targets, ref_targets, atol=1e-4, rtol=0)
-        alt = greedy.prompt_alt_tokens
-        alt_tokens = alt.tokens.to_torch().reshape(n - 1, 2)
-        # Temperature 0: every draw is the most likely token.
-        assert (alt_tokens == logp.argmax(-1, keepdim=True)).all()
-        torch.testing.assert_close(
-            alt.logprobs.to_torch().reshape(n - 1, 2),
-            logp.gather(1, alt_tokens),
-            atol=1e-4,
-            rtol=0,
-        )
-        for seq in greedy.sequences:
-            assert seq.stop_reason == "length" and len(seq.tokens) == 3
-            full = _logp(model, prompt + seq.tokens)[n - 1 :]
-            assert len(seq.topk_logprobs) == 3
-            for pos, entries in enumerate(seq.topk_logprobs):
-                ref = full[pos].topk(4)
-                assert [t for t, _ in entries] == ref.indices.tolist()
-                assert entries[0][0] == seq.tokens[pos]
-                assert entries[0][1] == pytest.approx(seq.logprobs[pos], abs=1e-5)
+            assert entries[0][0] == seq.tokens[pos]
+            assert entries[0][1] == pytest.approx(seq.logprobs[pos], abs=1e-5)
 
-        # Sparse targets keep their layout; last_n scores only the tail; draws at T=1.
-        sparse = types.TensorData.from_torch_sparse(targets, pad_value=-1)
-        assert sparse.sparse_crow_indices is not None
-        tail = sampler.sample(
+    # Sparse targets keep their layout; last_n scores only the tail; draws at T=1.
+    sparse = types.TensorData.from_torch_sparse(targets, pad_value=-1)
+    assert sparse.sparse_crow_indices is not None
+    tail = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=1, temperature=1.0, seed=7),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        target_prompt_logprobs=sparse,
+        prompt_alt_tokens_k=5,
+        prompt_logprobs_last_n=2,
+    ).result()
+    assert tail.prompt_logprobs[: n - 2] == [None] * (n - 2)
+    np.testing.assert_allclose(tail.prompt_logprobs[n - 2 :], expected[-2:].numpy(), atol=1e-4)
+    assert tail.topk_prompt_logprobs[: n - 2] == [None] * (n - 2)
+    assert all(len(e) == 2 for e in tail.topk_prompt_logprobs[n - 2 :])
+    assert tail.target_prompt_logprobs.sparse_col_indices == sparse.sparse_col_indices
+    torch.testing.assert_close(
+        tail.target_prompt_logprobs.to_torch().reshape(n - 1, 2),
+        ref_targets,
+        atol=1e-4,
+        rtol=0,
+    )
+    draws = tail.prompt_alt_tokens.tokens.to_torch().reshape(n - 1, 5)
+    torch.testing.assert_close(
+        tail.prompt_alt_tokens.logprobs.to_torch().reshape(n - 1, 5),
+        logp.gather(1, draws),
+        atol=1e-4,
+        rtol=0,
+    )
+    assert np.isfinite(tail.prompt_alt_tokens.logprobs.to_numpy()).all()
+
+    with pytest.raises(tinker.BadRequestError, match="len\\(prompt\\) - 1"):
+        sampler.sample(
             types.ModelInput.from_ints(prompt),
             num_samples=1,
-            sampling_params=types.SamplingParams(max_tokens=1, temperature=1.0, seed=7),
-            include_prompt_logprobs=True,
-            topk_prompt_logprobs=2,
-            target_prompt_logprobs=sparse,
-            prompt_alt_tokens_k=5,
-            prompt_logprobs_last_n=2,
+            sampling_params=types.SamplingParams(max_tokens=1),
+            target_prompt_logprobs=types.TensorData.from_torch(targets[:-1]),
         ).result()
-        assert tail.prompt_logprobs[: n - 2] == [None] * (n - 2)
-        np.testing.assert_allclose(tail.prompt_logprobs[n - 2 :], expected[-2:].numpy(), atol=1e-4)
-        assert tail.topk_prompt_logprobs[: n - 2] == [None] * (n - 2)
-        assert all(len(e) == 2 for e in tail.topk_prompt_logprobs[n - 2 :])
-        assert tail.target_prompt_logprobs.sparse_col_indices == sparse.sparse_col_indices
-        torch.testing.assert_close(
-            tail.target_prompt_logprobs.to_torch().reshape(n - 1, 2),
-            ref_targets,
-            atol=1e-4,
-            rtol=0,
-        )
-        draws = tail.prompt_alt_tokens.tokens.to_torch().reshape(n - 1, 5)
-        torch.testing.assert_close(
-            tail.prompt_alt_tokens.logprobs.to_torch().reshape(n - 1, 5),
-            logp.gather(1, draws),
-            atol=1e-4,
-            rtol=0,
-        )
-        assert np.isfinite(tail.prompt_alt_tokens.logprobs.to_numpy()).all()
-
-        with pytest.raises(tinker.BadRequestError, match="len\\(prompt\\) - 1"):
-            sampler.sample(
-                types.ModelInput.from_ints(prompt),
-                num_samples=1,
-                sampling_params=types.SamplingParams(max_tokens=1),
-                target_prompt_logprobs=types.TensorData.from_torch(targets[:-1]),
-            ).result()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_it_honours_every_stop_form(
+    base_sampler: tuple[Any, Any, Any],
     server: str,  # noqa: F811
     owner_key: tuple[Any, str],
-    base_model_dir: Path,
 ) -> None:
     from training.sampler import default_stop_ids
 
-    model, tokenizer = _hf_model(base_model_dir)
-    with service_client(server, owner_key[1]) as service:
-        sampler = service.create_sampling_client(base_model=BASE_NAME).result()
-        eos = set(default_stop_ids(model, tokenizer))
-        prompt = types.ModelInput.from_ints(_prompt_whose_greedy_token_is_eos(model, eos))
+    model, tokenizer, sampler = base_sampler
+    eos = set(default_stop_ids(model, tokenizer))
+    prompt = types.ModelInput.from_ints(_prompt_whose_greedy_token_is_eos(model, eos))
 
-        def greedy(stop: Any, max_tokens: int = 4) -> Any:
-            params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
-            return sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+    def greedy(stop: Any, max_tokens: int = 4) -> Any:
+        params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
+        return sampler.sample(prompt, num_samples=1, sampling_params=params).result()
 
-        # None keeps EOS stopping: the first (greedy) token is EOS and ends the sample.
-        implicit = greedy(None).sequences[0]
-        assert implicit.stop_reason == "stop" and len(implicit.tokens) == 1
-        assert implicit.tokens[0] in eos
-        # [] disables every stop, EOS included: decoding runs on to max_tokens.
-        unstopped = greedy([]).sequences[0]
-        assert unstopped.stop_reason == "length" and len(unstopped.tokens) == 4
-        assert unstopped.tokens[0] == implicit.tokens[0]
-        # Token ids stop as well as EOS; so do strings. Continue after the EOS the greedy
-        # sample produced: the continuation is unstopped.tokens[1:].
-        after_eos = types.ModelInput.from_ints(prompt.to_ints() + unstopped.tokens[:1])
-        follow = unstopped.tokens[1:]
+    # None keeps EOS stopping: the first (greedy) token is EOS and ends the sample.
+    implicit = greedy(None).sequences[0]
+    assert implicit.stop_reason == "stop" and len(implicit.tokens) == 1
+    assert implicit.tokens[0] in eos
+    # [] disables every stop, EOS included: decoding runs on to max_tokens.
+    unstopped = greedy([]).sequences[0]
+    assert unstopped.stop_reason == "length" and len(unstopped.tokens) == 4
+    assert unstopped.tokens[0] == implicit.tokens[0]
+    # Token ids stop as well as EOS; so do strings. Continue after the EOS the greedy
+    # sample produced: the continuation is unstopped.tokens[1:].
+    after_eos = types.ModelInput.from_ints(prompt.to_ints() + unstopped.tokens[:1])
+    follow = unstopped.tokens[1:]
 
-        def continued(stop: Any) -> Any:
-            params = types.SamplingParams(max_tokens=3, temperature=0.0, stop=stop)
-            return sampler.sample(after_eos, num_samples=1, sampling_params=params).result()
+    def continued(stop: Any) -> Any:
+        params = types.SamplingParams(max_tokens=3, temperature=0.0, stop=stop)
+        return sampler.sample(after_eos, num_samples=1, sampling_params=params).result()
 
-        by_id = continued([follow[1]]).sequences[0]
-        end = next(j for j, t in enumerate(follow) if t == follow[1] or t in eos)
-        assert by_id.stop_reason == "stop" and by_id.tokens == follow[: end + 1]
-        text = tokenizer.decode(follow[1:2])
-        by_text = continued(text).sequences[0]
-        assert by_text.stop_reason == "stop" and len(by_text.tokens) <= 2
-        assert continued([text, "\x00never"]).sequences[0].tokens == by_text.tokens
+    by_id = continued([follow[1]]).sequences[0]
+    end = next(j for j, t in enumerate(follow) if t == follow[1] or t in eos)
+    assert by_id.stop_reason == "stop" and by_id.tokens == follow[: end + 1]
+    text = tokenizer.decode(follow[1:2])
+    by_text = continued(text).sequences[0]
+    assert by_text.stop_reason == "stop" and len(by_text.tokens) <= 2
+    assert continued([text, "\x00never"]).sequences[0].tokens == by_text.tokens
 
     # Clients that name base_model instead of a sampling session (curl, older SDKs) get the
     # same answer, as JSON when they do not ask for protobuf.
