@@ -26,7 +26,6 @@ import os
 import queue
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.spec import JobSpec, parse_spec
+from workers.processes import group_alive, stop_process_group
 from workers.runners.base import JobContext
 
 ENTRY_ENV = "OPENTINKER_VERL_COMMAND"
@@ -402,39 +402,6 @@ class TrainerResult:
     tail: list[str] = field(default_factory=list)
 
 
-def _kill_group(proc: subprocess.Popen[str], grace_s: float) -> None:
-    """SIGTERM the trainer's process group, then SIGKILL whatever is left of it.
-
-    The group outlives the leader (Ray workers, vLLM engines), so the SIGKILL goes to the
-    group even when the leader already exited.
-    """
-    pgid = proc.pid
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not _group_alive(pgid):
-            return
-        time.sleep(0.05)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _saved_steps(checkpoint_dir: Path) -> list[int]:
     """Steps whose checkpoint verl finished writing.
 
@@ -542,7 +509,7 @@ def supervise(
             while not eof:
                 if ctx.cancelled():
                     result.stopped = True
-                    _kill_group(proc, term_grace_s)
+                    stop_process_group(proc, term_grace_s)
                     break
                 try:
                     line = lines.get(timeout=poll_s)
@@ -577,10 +544,10 @@ def supervise(
         if not result.stopped:
             result.returncode = proc.wait()
             # The leader exited; anything it left behind in its group goes too.
-            if _group_alive(proc.pid):
-                _kill_group(proc, term_grace_s)
+            if group_alive(proc.pid):
+                stop_process_group(proc, term_grace_s)
     except BaseException:
-        _kill_group(proc, term_grace_s)
+        stop_process_group(proc, term_grace_s)
         raise
     finally:
         reader.join(timeout=5)

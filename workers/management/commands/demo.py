@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
+
+from workers.processes import stop_process_group
 
 DEMO_USER = "demo"
 DEMO_TEAM = "demo"
@@ -181,7 +182,7 @@ class Command(BaseCommand):
         finally:
             if server is not None and not options["keep_serving"]:
                 self.stdout.write("stopping the service")
-                _stop(server)
+                stop_process_group(server, grace_s=30)
         if state != "SUCCEEDED":
             raise CommandError(f"the demo job ended {state}")
         self.stdout.write(self.style.SUCCESS("demo job SUCCEEDED"))
@@ -295,13 +296,3 @@ class Command(BaseCommand):
             f"held-out accuracy: {before:.3f} before training -> {after:.3f} after "
             f"{int(step)} steps ({after - before:+.3f})"
         )
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=5)
