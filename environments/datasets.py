@@ -14,34 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from environments.registry import ContractError, get_env
+from environments.schema import DatasetSchema
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN_PREFIX = "builtin:"
 FORMATS = ("jsonl", "parquet")
-
-
-@dataclass(frozen=True)
-class Column:
-    name: str
-    types: tuple[type, ...]
-    non_empty: bool = True
-    description: str = ""
-
-    def type_names(self) -> str:
-        names = dict.fromkeys("number" if t in (int, float) else t.__name__ for t in self.types)
-        return " or ".join(names)
-
-
-@dataclass(frozen=True)
-class DatasetSchema:
-    """Required columns of an environment's dataset; extra columns are kept and ignored."""
-
-    columns: tuple[Column, ...]
-
-    def describe(self) -> list[dict[str, str]]:
-        return [
-            {"name": c.name, "type": c.type_names(), "description": c.description}
-            for c in self.columns
-        ]
 
 
 @dataclass(frozen=True)
@@ -181,8 +159,6 @@ def scan(
 
 
 def _schema_for(env_name: str) -> DatasetSchema:
-    from environments.registry import ContractError, get_env
-
     spec = get_env(env_name)
     if spec.schema is None:
         raise ContractError(

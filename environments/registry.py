@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from environments.datasets import Column, DatasetSchema
+from pydantic import ConfigDict, TypeAdapter, with_config
+
+from environments.envs.bandit import BanditConfig, BanditGroupBuilder
+from environments.envs.gomoku import GomokuConfig, GomokuGroupBuilder, GomokuSelfPlayGroupBuilder
+from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
+from environments.envs.math_env import MathConfig, MathGroupBuilder
+from environments.schema import Column, DatasetSchema
 from environments.types import DataSource, GroupBuilder, Interaction
 
 
@@ -48,22 +54,15 @@ class EnvSpec:
         return self.data_source.value, self.interaction.value
 
     def describe(self) -> dict[str, Any]:
+        """What a user needs to write a job against this environment (the environments API)."""
         return {
             "name": self.name,
             "data_source": self.data_source.value,
             "interaction": self.interaction.value,
             "description": self.description,
-            "dataset_schema": self.schema.describe() if self.schema else None,
-            "config": {
-                f.name: _jsonable(f.default)
-                for f in dataclasses.fields(self.config_cls)
-                if f.default is not dataclasses.MISSING
-            },
+            "dataset_columns": self.schema.describe() if self.schema else None,
+            "config_schema": TypeAdapter(self.config_cls).json_schema(mode="serialization"),
         }
-
-
-def _jsonable(value: Any) -> Any:
-    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
 _REGISTRY: dict[str, EnvSpec] = {}
@@ -72,6 +71,9 @@ _REGISTRY: dict[str, EnvSpec] = {}
 def register(spec: EnvSpec) -> EnvSpec:
     if (spec.data_source is DataSource.DATASET) != (spec.schema is not None):
         raise ValueError(f"env {spec.name!r}: dataset environments need a schema, generators none")
+    # The fields' docstrings are the only documentation of an env's settings: let the
+    # config schema carry them as descriptions.
+    with_config(ConfigDict(use_attribute_docstrings=True))(spec.config_cls)
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -212,15 +214,6 @@ def _pick_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, 
 
 
 def _register_builtins() -> None:
-    from environments.envs.bandit import BanditConfig, BanditGroupBuilder
-    from environments.envs.gomoku import (
-        GomokuConfig,
-        GomokuGroupBuilder,
-        GomokuSelfPlayGroupBuilder,
-    )
-    from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
-    from environments.envs.math_env import MathConfig, MathGroupBuilder
-
     qa_schema = DatasetSchema(
         (
             Column("question", (str,), description="the problem shown to the model"),

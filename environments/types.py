@@ -134,9 +134,6 @@ class GroupBuilder(abc.ABC):
         """
         return [0.0 for _ in trajectories]
 
-    def logging_tags(self) -> dict[str, str]:
-        return {"env": self.env_name}
-
 
 @dataclass
 class Turn:

@@ -6,6 +6,7 @@ from django.urls import path
 from rest_framework.routers import DefaultRouter
 
 from accounts.views import ApiKeyViewSet, MeView, TeamViewSet
+from environments.views import EnvironmentViewSet
 from jobs.views import BaseModelViewSet, DatasetViewSet, JobViewSet, QuotaView
 
 # No trailing slash: the documented paths are /api/v1/jobs, /api/v1/jobs/{id}/cancel, ...
@@ -15,6 +16,7 @@ router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("teams", TeamViewSet, basename="team")
 router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("base-models", BaseModelViewSet, basename="basemodel")
+router.register("environments", EnvironmentViewSet, basename="environment")
 
 urlpatterns = [
     path("quota", QuotaView.as_view(), name="quota"),

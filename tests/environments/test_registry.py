@@ -88,6 +88,6 @@ def test_it_makes_picklable_reproducible_builders() -> None:
 
 def test_it_describes_envs_as_json() -> None:
     info = get_env("math").describe()
-    assert info["dataset_schema"][0]["name"] == "question"
-    assert info["config"]["format_reward"] == 0.0
-    assert get_env("bandit").describe()["dataset_schema"] is None
+    assert info["dataset_columns"][0]["name"] == "question"
+    assert info["config_schema"]["properties"]["format_reward"]["default"] == 0.0
+    assert get_env("bandit").describe()["dataset_columns"] is None

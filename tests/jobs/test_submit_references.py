@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from environments import registry
-from environments.datasets import Column, DatasetSchema
+from environments.schema import Column, DatasetSchema
 from environments.registry import get_env, register
 from jobs import services
 from jobs.models import BaseModel, Job

@@ -1,0 +1,35 @@
+"""What an environment's dataset must hold: its required columns, their types and meaning.
+
+Kept apart from `environments.datasets` (reading and validating files) so that the registry,
+which declares each environment's schema, and the file readers, which look schemas up in the
+registry, depend on it and not on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    types: tuple[type, ...]
+    non_empty: bool = True
+    description: str = ""
+
+    def type_names(self) -> str:
+        names = dict.fromkeys("number" if t in (int, float) else t.__name__ for t in self.types)
+        return " or ".join(names)
+
+
+@dataclass(frozen=True)
+class DatasetSchema:
+    """Required columns of an environment's dataset; extra columns are kept and ignored."""
+
+    columns: tuple[Column, ...]
+
+    def describe(self) -> list[dict[str, str]]:
+        return [
+            {"name": c.name, "type": c.type_names(), "description": c.description}
+            for c in self.columns
+        ]
