@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo serve test test-embedded test-services install model datasets bench lint clean
+.PHONY: demo serve test test-fast test-embedded test-services install model datasets bench lint clean
 
 demo: install
 	$(PY) manage.py demo
@@ -41,6 +41,11 @@ test: install
 test-embedded:
 	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q
 
+# Unit and service tests: no Celery worker, web server, browser or training run is started
+# (tests/conftest.py marks those `live`). The database and the embedded Valkey are real.
+test-fast: install
+	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q -m "not live and not slow and not gpu"
+
 # The same suite against real PostgreSQL and Redis, when this machine has them. The engine's
 # tests (tests/training) touch neither and ran once already.
 test-services:
@@ -54,8 +59,12 @@ bench: install
 	$(PY) bench/control_plane.py
 	$(PY) bench/engine.py
 
+# ruff (rules in pyproject.toml), mypy on the library and the client (mypy.ini), and the
+# architecture contracts (import-linter, pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy --config-file mypy.ini
+	PYTHONPATH=client $(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) var

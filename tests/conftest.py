@@ -1,3 +1,33 @@
-"""Shared fixtures: accounts (owner, teammate, outsider, API clients) and workers (Valkey, Celery)."""
+"""Shared fixtures: accounts (owner, teammate, outsider, API clients) and workers (Valkey, Celery).
+
+Tiers: a test that starts a server or a worker process is marked ``live`` by the fixtures it
+uses (and every test under tests/e2e is), so ``make test-fast`` (``-m "not live and not slow"``)
+runs the unit and service tests alone, and a new live test cannot slip into the fast tier by
+forgetting a marker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 pytest_plugins = ["tests.fixtures.accounts", "tests.fixtures.workers"]
+
+# Fixtures that start a Celery worker, a web server, a browser or a long training process.
+LIVE_FIXTURES = {
+    "start_worker",
+    "celery_worker",
+    "live_server",
+    "env_worker_process",
+}
+LIVE_DIRECTORIES = {"e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        area = Path(str(item.fspath)).resolve().relative_to(tests_dir).parts[0]
+        uses_live_fixture = LIVE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if area in LIVE_DIRECTORIES or uses_live_fixture:
+            item.add_marker(pytest.mark.live)

@@ -21,18 +21,22 @@ DEFAULT_MAX_RUNTIME_SECONDS = 24 * 3600
 MAX_RUNTIME_CAP_SECONDS = 7 * 24 * 3600
 
 
-def _setting(name: str, default: Any = None) -> Any:
-    """A Django setting, else the environment variable of the same name, else ``default``."""
-    value = getattr(settings, name, None)
-    if value is None or value == "":
-        value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value
+def setting(name: str) -> Any:
+    """A setting declared (and validated at start) in ``opentinker_site/settings``.
+
+    Read at call time rather than copied at import, so that an override in a test or a
+    management command is seen. An undeclared name is a programming error: every
+    ``OPENTINKER_*`` variable has one home, the settings module.
+    """
+    try:
+        return getattr(settings, name)
+    except AttributeError as exc:
+        raise ImproperlyConfigured(f"{name} is not declared in opentinker_site.settings.") from exc
 
 
-def _int_setting(name: str, default: int, *, minimum: int) -> int:
-    raw = _setting(name, default)
+def int_setting(name: str, *, minimum: int) -> int:
+    """An integer setting, checked again because an override at run time skips the start check."""
+    raw = setting(name)
     try:
         value = int(raw)
     except (TypeError, ValueError) as exc:
@@ -43,7 +47,7 @@ def _int_setting(name: str, default: int, *, minimum: int) -> int:
 
 
 def redis_url() -> str:
-    url = getattr(settings, "REDIS_URL", None) or os.environ.get("REDIS_URL")
+    url = getattr(settings, "REDIS_URL", None)
     if not url:
         raise ImproperlyConfigured("REDIS_URL is not configured.")
     return str(url)
@@ -66,7 +70,7 @@ def get_redis() -> Any:
 
 
 def lease_seconds() -> int:
-    return _int_setting("OPENTINKER_JOB_LEASE_SECONDS", 30, minimum=3)
+    return int_setting("OPENTINKER_JOB_LEASE_SECONDS", minimum=3)
 
 
 def heartbeat_interval() -> float:
@@ -85,7 +89,7 @@ def reap_interval() -> float:
 
 
 def max_attempts() -> int:
-    return _int_setting("OPENTINKER_MAX_ATTEMPTS", 3, minimum=1)
+    return int_setting("OPENTINKER_MAX_ATTEMPTS", minimum=1)
 
 
 def job_max_runtime(spec: dict[str, Any] | None) -> int:
@@ -121,23 +125,33 @@ def visibility_timeout() -> int:
 
 def aging_seconds() -> int:
     """Waiting this long raises a queued job's effective priority by one."""
-    return _int_setting("OPENTINKER_AGING_SECONDS", 60, minimum=1)
+    return int_setting("OPENTINKER_AGING_SECONDS", minimum=1)
 
 
 def backfill_window_seconds() -> int:
     """How long a blocked job lets smaller jobs behind it backfill before it reserves the pool."""
-    return _int_setting("OPENTINKER_BACKFILL_WINDOW_SECONDS", 300, minimum=0)
+    return int_setting("OPENTINKER_BACKFILL_WINDOW_SECONDS", minimum=0)
 
 
 # --- this node ----------------------------------------------------------------------------
 
 
 def node_name() -> str:
-    name = str(_setting("OPENTINKER_NODE_NAME", "") or socket.gethostname().split(".")[0])
+    name = str(setting("OPENTINKER_NODE_NAME") or socket.gethostname().split(".")[0])
     if not name or any(c in name for c in " :\t\n"):
         raise ImproperlyConfigured(f"OPENTINKER_NODE_NAME {name!r} must be a word without ':'.")
     return name
 
 
 def cpu_slots() -> int:
-    return _int_setting("OPENTINKER_CPU_SLOTS", 2, minimum=1)
+    return int_setting("OPENTINKER_CPU_SLOTS", minimum=1)
+
+
+# TRANSITIONAL-ALIASES (removed once every caller uses setting()/int_setting())
+def _setting(name: str, default: Any = None) -> Any:
+    value = getattr(settings, name, None)
+    return default if value is None or value == "" else value
+
+
+def _int_setting(name: str, default: int, *, minimum: int) -> int:
+    return int_setting(name, minimum=minimum)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 from pathlib import Path
 
 import environ
@@ -79,6 +80,45 @@ def read_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be a boolean (true/false), got {raw!r}.")
 
 
+def read_word(name: str) -> str:
+    """Read an optional name that goes into Redis keys and queue names: no blanks, no ':'."""
+    value = os.environ.get(name, "").strip()
+    if any(c in value for c in " :\t\n"):
+        raise ImproperlyConfigured(f"{name} must be a word without ':' or blanks, got {value!r}.")
+    return value
+
+
+def read_index_list(name: str) -> str:
+    """Read an optional list of distinct non-negative integers such as ``0,1,2``."""
+    value = os.environ.get(name, "").strip()
+    _check_indices(name, value)
+    return value
+
+
+def read_index_groups(name: str) -> str:
+    """Read optional ``;``-separated index lists such as ``0,1;2,3``."""
+    value = os.environ.get(name, "").strip()
+    for part in value.split(";"):
+        _check_indices(name, part)
+    return value
+
+
+def _check_indices(name: str, raw: str) -> None:
+    parts = [p for p in raw.replace(" ", "").split(",") if p != ""]
+    if not all(p.isdigit() for p in parts) or len(set(map(int, parts))) != len(parts):
+        raise ImproperlyConfigured(f"{name} must list distinct GPU indices like '0,1,2', got {raw!r}.")
+
+
+def read_command(name: str) -> str:
+    """Read an optional shell-style command line; unbalanced quotes fail here, not at launch."""
+    value = os.environ.get(name, "").strip()
+    try:
+        shlex.split(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} is not a valid command line: {exc}.") from exc
+    return value
+
+
 # --- Core -----------------------------------------------------------------------------------
 
 # Overridden with a required value in production.py; this one only serves development.
@@ -135,6 +175,53 @@ OPENTINKER_MAX_ATTEMPTS = read_int("OPENTINKER_MAX_ATTEMPTS", 3, minimum=1, maxi
 # Largest dataset file an upload may store (bytes); bigger uploads are refused with 413.
 OPENTINKER_MAX_DATASET_BYTES = read_int(
     "OPENTINKER_MAX_DATASET_BYTES", 50 * 1024 * 1024, minimum=1
+)
+
+# Scheduling: a queued job's priority rises by one per AGING_SECONDS of waiting; a blocked job
+# lets smaller ones backfill for BACKFILL_WINDOW_SECONDS before it reserves the pool.
+OPENTINKER_AGING_SECONDS = read_int("OPENTINKER_AGING_SECONDS", 60, minimum=1)
+OPENTINKER_BACKFILL_WINDOW_SECONDS = read_int("OPENTINKER_BACKFILL_WINDOW_SECONDS", 300, minimum=0)
+
+# This node, as its GPU worker announces it. Empty names mean the host name.
+OPENTINKER_NODE_NAME = read_word("OPENTINKER_NODE_NAME")
+# GPU indices this node offers ("0,1,2,3"; empty: CUDA_VISIBLE_DEVICES, else nvidia-smi) and
+# their topology groups ("0,1;2,3"); without GPUs the node offers CPU_SLOTS CPU slots.
+OPENTINKER_GPUS = read_index_list("OPENTINKER_GPUS")
+OPENTINKER_GPU_GROUPS = read_index_groups("OPENTINKER_GPU_GROUPS")
+OPENTINKER_CPU_SLOTS = read_int("OPENTINKER_CPU_SLOTS", 2, minimum=1, maximum=1024)
+
+# The verl trainer's command line (shell words); empty means the verl venv's main_ppo.
+OPENTINKER_VERL_COMMAND = read_command("OPENTINKER_VERL_COMMAND")
+# The embedded Valkey's directory; empty means a fresh temporary one per process tree.
+OPENTINKER_VALKEY_DIR = env.str("OPENTINKER_VALKEY_DIR", default="")
+# The training library reads this switch from the environment itself (it has no Django);
+# declaring it here checks its spelling when the service starts.
+OPENTINKER_ONEDNN_LINEAR = read_bool("OPENTINKER_ONEDNN_LINEAR", True)
+
+# Tinker protocol: per-team model limit, sample queue bound, long-poll wait, future lifetime,
+# and the model workers' idle exit, session timeout, torch threads and batch gathering wait
+# (unset: 0 ms on a CPU, 3 ms on an accelerator).
+OPENTINKER_TINKER_MAX_MODELS_PER_TEAM = read_int(
+    "OPENTINKER_TINKER_MAX_MODELS_PER_TEAM", 64, minimum=0
+)
+OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = read_int("OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT", 256, minimum=1)
+OPENTINKER_TINKER_LONG_POLL_SECONDS = read_int(
+    "OPENTINKER_TINKER_LONG_POLL_SECONDS", 10, minimum=0, maximum=300
+)
+OPENTINKER_TINKER_FUTURE_TTL_SECONDS = read_int(
+    "OPENTINKER_TINKER_FUTURE_TTL_SECONDS", 3600, minimum=10
+)
+OPENTINKER_TINKER_WORKER_IDLE_SECONDS = read_int(
+    "OPENTINKER_TINKER_WORKER_IDLE_SECONDS", 600, minimum=1
+)
+OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS = read_int(
+    "OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", 300, minimum=10
+)
+OPENTINKER_TINKER_TORCH_THREADS = read_int("OPENTINKER_TINKER_TORCH_THREADS", 2, minimum=1)
+OPENTINKER_TINKER_GATHER_MS: int | None = (
+    read_int("OPENTINKER_TINKER_GATHER_MS", 0, minimum=0, maximum=1000)
+    if os.environ.get("OPENTINKER_TINKER_GATHER_MS", "") != ""
+    else None
 )
 
 # --- Django ---------------------------------------------------------------------------------

@@ -10,4 +10,4 @@ DEBUG = read_bool("DEBUG", True)
 if REDIS_URL is None:  # noqa: F405
     from opentinker_site.embedded import ensure_valkey
 
-    REDIS_URL = ensure_valkey()
+    REDIS_URL = ensure_valkey(OPENTINKER_VALKEY_DIR)  # noqa: F405

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     import os, subprocess, sys
     sys.path.insert(0, sys.argv[1])
     from opentinker_site.embedded import ensure_valkey
-    url = ensure_valkey()
+    url = ensure_valkey(sys.argv[2])
     assert ensure_valkey() == url and os.environ["REDIS_URL"] == url
     child = subprocess.run(
         [sys.executable, "-c",
@@ -40,9 +40,8 @@ SCRIPT = textwrap.dedent(
 
 def test_it_starts_one_server_per_process_tree_and_stops_it_at_exit(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env["OPENTINKER_VALKEY_DIR"] = str(tmp_path / "valkey")
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(ROOT)],
+        [sys.executable, "-c", SCRIPT, str(ROOT), str(tmp_path / "valkey")],
         env=env,
         capture_output=True,
         text=True,
