@@ -1,7 +1,7 @@
-"""Teams, memberships, quotas and API keys.
+"""Teams, memberships, invitations, quotas and API keys.
 
-Rules about one model live on that model or its manager; key issuing and rotation, which
-touch several rows, live in ``accounts.keys``.
+Rules about one model live on that model or its manager; writes that touch several rows live
+in ``accounts.teams`` (teams, memberships, invitations, quota rows) and ``accounts.keys``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,44 @@ class Membership(models.Model):
         return f"{self.user} in {self.team} ({self.role})"
 
 
+class Invitation(models.Model):
+    """An invitation by email to an address that belongs to no verified user yet.
+
+    The membership is made when someone verifies that address (``accounts.teams``):
+    verification is what proves ownership of the address, not sign-up.
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="invitations")
+    email = models.EmailField()
+    role = models.CharField(max_length=16, default="member")
+    invited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created = models.DateTimeField(auto_now_add=True)
+    accepted = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        # The web app made this table; the row moved here with the rest of team state.
+        db_table = "web_invitation"
+        constraints = [
+            models.UniqueConstraint(fields=["team", "email"], name="invitation_team_email_unique")
+        ]
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.email} -> {self.team}"
+
+
+class QuotaManager(models.Manager["Quota"]):
+    def for_team(self, team: Team) -> Quota:
+        """The team's quota row, or an unsaved one with the defaults: reads never write.
+
+        Every team gets its row when it is made (``accounts.teams.ensure_quota``); the
+        fallback covers a row an administrator deleted.
+        """
+        return self.filter(team=team).first() or self.model(team=team)
+
+
 class Quota(models.Model):
     """Limits set by administrators; checked at submission under ``select_for_update``."""
 
@@ -74,6 +112,8 @@ class Quota(models.Model):
     gpu_hours_per_month = models.FloatField(
         default=100.0, help_text="GPU-hours per calendar month (UTC)."
     )
+
+    objects = QuotaManager()
 
     def __str__(self) -> str:
         return f"quota of {self.team}"

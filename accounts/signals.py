@@ -1,4 +1,8 @@
-"""Every team gets a quota row, so submissions always have a row to lock."""
+"""Every team gets a quota row, so submissions always have a row to lock.
+
+``accounts.teams.create_team`` makes the row itself; this covers teams made elsewhere (the
+admin's add form, fixtures).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,11 @@ from typing import Any
 from django.db.models.signals import post_save
 from django.dispatch import receiver
 
-from .models import Quota, Team
+from .models import Team
+from .teams import ensure_quota
 
 
 @receiver(post_save, sender=Team)
 def create_quota(sender: type[Team], instance: Team, created: bool, **kwargs: Any) -> None:
     if created:
-        Quota.objects.get_or_create(team=instance)
+        ensure_quota(instance)

@@ -302,7 +302,7 @@ class QuotaView(APIView):
                 # Reading another team's quota is a lookup of a foreign object: 404.
                 raise NotFound("No such team.") from None
             raise
-        quota, _ = Quota.objects.get_or_create(team=team)
+        quota = Quota.objects.for_team(team)
         return Response(
             {"team": team.slug, "limits": quota.limits(), "usage": services.quota_usage(team)}
         )

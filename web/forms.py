@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
 from django import forms
 
 from accounts.models import Membership, Team
+from environments.datasets import builtin_names
+from environments.registry import env_names, get_env
 from jobs.models import BaseModel, Dataset
 
 from .spec_form import METHOD_HELP, SpecFields
@@ -16,8 +19,6 @@ UPLOAD = "__upload__"
 
 
 def env_choices() -> list[tuple[str, str]]:
-    from environments.registry import env_names, get_env
-
     out = [("", "— none (smoke jobs) —")]
     for name in env_names():
         env = get_env(name)
@@ -27,8 +28,6 @@ def env_choices() -> list[tuple[str, str]]:
 
 
 def dataset_choices(team: Team | None) -> list[tuple[str, Any]]:
-    from environments.datasets import builtin_names
-
     team_sets: list[tuple[str, str]] = []
     if team is not None:
         for ds in Dataset.objects.filter(team=team).order_by("name"):
@@ -115,8 +114,6 @@ class YamlJobForm(forms.Form):
     spec_file = forms.FileField(required=False, label="…or a spec file")
 
     def clean(self) -> dict[str, Any]:
-        import yaml
-
         data = super().clean()
         raw = data.get("spec_yaml") or ""
         if data.get("spec_file"):

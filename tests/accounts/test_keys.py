@@ -62,7 +62,7 @@ def test_it_finds_live_key_and_rejects_wrong_secret(team, owner):
 
 
 def test_it_changes_the_hash_when_the_server_secret_changes(team, owner, settings):
-    key, plaintext = issue_key(team, owner, "ci")
+    _, plaintext = issue_key(team, owner, "ci")
     settings.OPENTINKER_KEY_HMAC_SECRET = "x" * 40
     assert ApiKey.objects.for_key(plaintext) is None
 

@@ -32,7 +32,7 @@ def test_it_serves_a_valid_openapi_schema(anon_client):
     schema = json.loads(response.content)
     assert schema["openapi"].startswith("3.")
     validate_schema(schema)
-    assert DOCUMENTED_PATHS <= set(schema["paths"])
+    assert set(schema["paths"]) >= DOCUMENTED_PATHS
     schemes = schema["components"]["securitySchemes"]
     assert schemes["bearerAuth"]["scheme"] == "bearer"
     assert schemes["apiKeyHeader"]["name"] == "X-API-Key"

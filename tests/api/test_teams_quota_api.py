@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from rest_framework.test import APIClient
 
+from accounts.models import Quota
 from jobs import services
 
 pytestmark = pytest.mark.django_db
@@ -40,3 +41,11 @@ def test_it_needs_a_team_for_session_users_with_several(make_team, owner, team):
     client.force_login(owner)
     assert client.get("/api/v1/quota").status_code == 400
     assert client.get("/api/v1/quota", {"team": "second"}).json()["team"] == "second"
+
+
+def test_it_reads_a_missing_quota_row_as_the_defaults_without_writing_it(owner_client, team):
+    Quota.objects.filter(team=team).delete()
+    response = owner_client.get("/api/v1/quota")
+    assert response.status_code == 200
+    assert response.json()["limits"] == Quota(team=team).limits()
+    assert not Quota.objects.filter(team=team).exists()

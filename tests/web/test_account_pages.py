@@ -12,8 +12,7 @@ from django.core import mail
 from django.test import Client
 from django.urls import reverse
 
-from accounts.models import ApiKey, Membership, Team
-from web.models import Invitation
+from accounts.models import ApiKey, Invitation, Membership, Team
 
 pytestmark = pytest.mark.django_db
 

@@ -184,7 +184,8 @@ def test_it_signs_up_submits_watches_cancels_and_isolates_in_a_browser(
     assert points == "8"
     drawn = page.evaluate(
         """() => Object.fromEntries(Object.entries(window.openTinkerCharts).map(
-            ([name, c]) => [name, [c.plot.data[0].length, c.plot.scales.x.min, c.plot.scales.x.max]]))"""
+            ([name, c]) => [name,
+                [c.plot.data[0].length, c.plot.scales.x.min, c.plot.scales.x.max]]))"""
     )
     assert all(v[0] == 8 and v[1] == 1 and v[2] == 8 for v in drawn.values()), (drawn, js_errors)
     assert not js_errors

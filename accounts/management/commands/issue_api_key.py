@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 from django.utils.text import slugify
 
+from accounts import teams
 from accounts.keys import issue_key
 from accounts.models import Membership, Team
 
@@ -41,10 +42,11 @@ class Command(BaseCommand):
                 if created:
                     user.set_unusable_password()
                     user.save()
-                team, _ = Team.objects.get_or_create(slug=slug, defaults={"name": opts["team"]})
-                Membership.objects.get_or_create(
-                    user=user, team=team, defaults={"role": Membership.Role.OWNER}
-                )
+                team = Team.objects.filter(slug=slug).first()
+                if team is None:
+                    team = teams.create_team(name=opts["team"], slug=slug, owner=user)
+                else:
+                    teams.add_member(team, user, Membership.Role.OWNER)
             else:
                 try:
                     user = User.objects.get(username=opts["user"])

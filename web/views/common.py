@@ -1,0 +1,65 @@
+"""Lookups every page shares: the current team, a job of the user's teams, quota bars."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+
+from accounts.models import Quota, Team
+from jobs import services
+from jobs.models import Job
+from web.teams import current_team, user_teams
+
+
+def require_team(request: HttpRequest) -> Team:
+    team = current_team(request)
+    if team is None:
+        raise Http404("you are not a member of any team yet")
+    return team
+
+
+def team_job(request: HttpRequest, job_id: Any) -> Job:
+    # Any team of the user, not only the current one: a link shared inside a team works
+    # whichever team is selected; a job of a foreign team answers 404 like a missing one.
+    return get_object_or_404(
+        Job.objects.select_related("team", "created_by"),
+        pk=job_id,
+        team__in=user_teams(request.user),
+    )
+
+
+def no_team(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/no_team.html")
+
+
+def usage_bars(team: Team) -> list[dict[str, Any]]:
+    """The team's quota usage as progress bars (jobs list and team page)."""
+    used = services.quota_usage(team)
+    quota = Quota.objects.for_team(team)
+    bars = [
+        ("GPUs in use", used["gpus_in_use"], quota.max_gpus, ""),
+        ("Queued jobs", used["queued_jobs"], quota.max_queued_jobs, ""),
+        ("GPU-hours this month", used["gpu_hours_this_month"], quota.gpu_hours_per_month, " h"),
+    ]
+    out = []
+    for label, value, limit, unit in bars:
+        pct = 100.0 if limit <= 0 else min(100.0, 100.0 * float(value) / float(limit))
+        out.append(
+            {
+                "label": label,
+                "value": value,
+                "limit": limit,
+                "unit": unit,
+                "percent": round(pct, 1),
+                "high": pct >= 90,
+            }
+        )
+    return out
+
+
+def home(request: HttpRequest) -> HttpResponse:
+    if request.user.is_authenticated:
+        return redirect("web:jobs")
+    return redirect("account_login")

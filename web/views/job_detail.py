@@ -1,0 +1,224 @@
+"""One job's page: its timeline, events, charts, checkpoints, evaluations and sample box."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+from django.utils import timezone
+from django.utils.cache import patch_vary_headers
+from django.views.decorators.http import require_POST
+
+from jobs import artifacts, sampling
+from jobs.models import FINAL_STATES, Job, JobEvent, JobKind, JobMetric, JobState
+from web.forms import SampleForm
+
+from .common import team_job
+
+# Metric names drawn first on the job page, in this order, when a job logs them.
+PREFERRED_METRICS = ("reward", "accuracy", "loss", "kl")
+MAX_CHARTS = 8
+# The runner logs its evaluations as metrics named "eval/<what>" (workers.runners.evaluation);
+# columns of the eval table in this order, then any other eval metric except the timing.
+EVAL_PREFIX = "eval/"
+EVAL_COLUMNS = ("accuracy", "reward", "episodes")
+EVAL_HIDDEN = {"seconds"}
+
+
+def _timeline(job: Job) -> list[dict[str, Any]]:
+    """The states the job went through, with when; states still ahead are listed as pending."""
+    reached: dict[str, Any] = {}
+    for ev in job.events.filter(kind=JobEvent.Kind.STATE).order_by("created", "id"):
+        reached[ev.to_state] = ev.created
+    path = [JobState.QUEUED, JobState.STARTING, JobState.RUNNING]
+    final = job.state if job.state in FINAL_STATES else JobState.SUCCEEDED
+    steps = []
+    for state in [*path, final]:
+        steps.append(
+            {
+                "state": state,
+                "label": JobState(state).label,
+                "at": reached.get(state),
+                "done": state in reached,
+                "current": state == job.state,
+            }
+        )
+    return steps
+
+
+def _metric_names(job: Job) -> list[str]:
+    names = list(
+        JobMetric.objects.filter(job=job).values_list("name", flat=True).distinct().order_by("name")
+    )
+
+    def rank(name: str) -> tuple[int, str]:
+        low = name.lower()
+        for i, word in enumerate(PREFERRED_METRICS):
+            if word in low:
+                return i, name
+        return len(PREFERRED_METRICS), name
+
+    return sorted(names, key=rank)[:MAX_CHARTS]
+
+
+def _artifacts(job: Job) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    base = f"/api/v1/jobs/{job.pk}"
+    cps = [
+        {**c, "download": f"{base}/checkpoints/{c['name']}"} for c in artifacts.checkpoints(job.pk)
+    ]
+    arts = [{**a, "download": f"{base}/artifacts/{a['name']}"} for a in artifacts.artifacts(job.pk)]
+    return cps, arts
+
+
+def _eval_results(job: Job, found: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's evaluations as ``{"columns": [...], "rows": [{step, values, transcript}]}``.
+
+    A training run evaluates at step 0 and every ``eval_every`` steps and leaves
+    ``eval/step-NNNNNN.jsonl`` beside each; an eval job logs once at step 0 and leaves
+    ``eval/transcripts.jsonl``. Links point only at transcripts the artifact list holds.
+    """
+    by_step: dict[int, dict[str, float]] = {}
+    seen: set[str] = set()
+    rows = JobMetric.objects.filter(job=job, name__startswith=EVAL_PREFIX).order_by("step")
+    for name, step, value in rows.values_list("name", "step", "value"):
+        short = name[len(EVAL_PREFIX) :]
+        if short in EVAL_HIDDEN:
+            continue
+        seen.add(short)
+        by_step.setdefault(step, {})[short] = value
+    columns = [c for c in EVAL_COLUMNS if c in seen] + sorted(seen - set(EVAL_COLUMNS))
+    transcripts = {a["name"]: a for a in found if a.get("kind") == "eval"}
+    out = []
+    for step, values in sorted(by_step.items()):
+        name = (
+            "eval/transcripts.jsonl" if job.kind == JobKind.EVAL else f"eval/step-{step:06d}.jsonl"
+        )
+        out.append(
+            {
+                "step": step,
+                "values": [values.get(c) for c in columns],
+                "transcript": transcripts.get(name),
+            }
+        )
+    return {"columns": columns, "rows": out}
+
+
+def _sample_context(job: Job, form: SampleForm | None = None) -> dict[str, Any]:
+    """What the sample box needs; it is offered once a finished job has exported an adapter."""
+    has_adapter = job.state in FINAL_STATES and artifacts.adapter_dir(job.pk) is not None
+    return {
+        "can_sample": has_adapter,
+        "sample_form": form or SampleForm(),
+        "samples": None,
+        "sample_error": "",
+    }
+
+
+def _job_context(job: Job) -> dict[str, Any]:
+    events = list(job.events.order_by("-created", "-id")[:30])
+    checkpoints, found = _artifacts(job)
+    return {
+        "job": job,
+        "timeline": _timeline(job),
+        "events": events,
+        "live": job.state not in FINAL_STATES,
+        "live_interval": settings.OPENTINKER_WEB_LIVE_SECONDS,
+        "can_cancel": job.state not in FINAL_STATES and not job.cancel_requested,
+        "checkpoints": checkpoints,
+        "artifacts": found,
+        "metric_names": _metric_names(job),
+        "evals": _eval_results(job, found),
+        "now": timezone.now(),
+    }
+
+
+@login_required
+def job_detail(request: HttpRequest, job_id: Any) -> HttpResponse:
+    job = team_job(request, job_id)
+    context = _job_context(job)
+    if request.htmx:  # type: ignore[attr-defined]
+        response = render(request, "web/_job_status.html", context)
+    else:
+        context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
+        context.update(_sample_context(job))
+        response = render(request, "web/job_detail.html", context)
+    patch_vary_headers(response, ["HX-Request"])
+    return response
+
+
+@login_required
+@require_POST
+def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
+    """Generate from a finished job's adapter with ``jobs.sampling`` (the API's service).
+
+    htmx posts get only the sample box back; a plain form post (no JavaScript) gets the whole
+    job page with the samples or the error in the box. Refusals answer 400 (bad parameters)
+    or 409 (no adapter) to plain posts; htmx swaps only 2xx answers, so it gets 200 with the
+    message in the box.
+    """
+    job = team_job(request, job_id)
+    form = SampleForm(request.POST)
+    box = _sample_context(job, form)
+    status = 200
+    if not box["can_sample"]:
+        box["sample_error"] = (
+            f"Job {job.name} has no adapter to sample from yet: only a finished training "
+            f"run that exported a LoRA adapter can be sampled (state {job.get_state_display()})."
+        )
+        status = 409
+    elif not form.is_valid():
+        status = 400
+    else:
+        data = form.cleaned_data
+        chat = data["mode"] == SampleForm.CHAT
+        try:
+            box["samples"] = sampling.sample_from_job(
+                job,
+                prompt=None if chat else data["prompt"],
+                messages=[{"role": "user", "content": data["prompt"]}] if chat else None,
+                max_tokens=data["max_tokens"],
+                temperature=data["temperature"],
+                n=data["n"],
+                seed=data.get("seed"),
+            )
+        except sampling.NoAdapter as exc:
+            box["sample_error"] = f"Cannot sample: {exc}."
+            status = 409
+        except sampling.BadSampleRequest as exc:
+            # The service names the chat "messages": in this form it is the prompt box.
+            field = "prompt" if exc.field in ("prompt", "messages") else None
+            form.add_error(field, exc.reason)
+            status = 400
+    if request.htmx:  # type: ignore[attr-defined]
+        response = render(request, "web/_sample.html", {"job": job, **box})
+    else:
+        context = _job_context(job)
+        context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
+        context.update(box)
+        response = render(request, "web/job_detail.html", context, status=status)
+    # Samples are one person's answer to one prompt: never from a cache.
+    response["Cache-Control"] = "no-store"
+    patch_vary_headers(response, ["HX-Request"])
+    return response
+
+
+@login_required
+def job_metrics(request: HttpRequest, job_id: Any) -> JsonResponse:
+    """``{"series": {name: [[step, value], ...]}, "final": bool}`` for the charts."""
+    job = team_job(request, job_id)
+    series: dict[str, list[list[float]]] = {}
+    rows = JobMetric.objects.filter(job=job).order_by("name", "step")
+    for name, step, value in rows.values_list("name", "step", "value"):
+        series.setdefault(name, []).append([step, value])
+    return JsonResponse(
+        {
+            "series": series,
+            "order": _metric_names(job),
+            "final": job.state in FINAL_STATES,
+            "state": job.state,
+        }
+    )
