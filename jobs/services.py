@@ -4,7 +4,9 @@ Each state change is a conditional UPDATE (``filter(pk=..., state__in=..., attem
 plus a ``JobEvent`` in the same transaction. Zero rows updated means someone else got there
 first (a cancel, the reaper, a newer attempt): the caller stops, it does not retry blindly.
 Functions called by workers return ``bool``; ``cancel_job`` and ``submit_job``, called for
-API users, raise exceptions that carry a clear message.
+API users, raise exceptions that carry a clear message. Usage and quota counts live in
+``jobs.quotas``, the submission checks in ``jobs.submission_checks``, metric rows in
+``jobs.metric_services``; the names callers use from them are re-exported here.
 
 The state machine::
 
@@ -16,32 +18,60 @@ The state machine::
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
 from typing import Any
 from uuid import UUID
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import F, Q, Sum
+from django.db.models import F
 from django.utils import timezone
 
 from accounts.models import Quota, Team
 
-from .datasets import BUILTIN_REF_PREFIX, find_team_dataset
-from .models import (
-    ACTIVE_STATES,
-    FINAL_STATES,
-    BaseModel,
-    Job,
-    JobEvent,
-    JobKind,
-    JobMetric,
-    JobState,
+from . import hooks
+from .metric_services import (
+    check_metrics,
+    discard_metrics_after,
+    record_metric_steps,
+    record_metrics,
 )
-from .spec import JobSpec, SpecError, check_base_model_limits, parse_spec
+from .models import ACTIVE_STATES, FINAL_STATES, Job, JobEvent, JobKind, JobState
+from .quotas import (
+    GpuRequestTooLarge,
+    QuotaExceeded,
+    gpu_seconds_this_month,
+    gpus_in_use,
+    month_start,
+    quota_usage,
+)
+from .spec import SpecError, parse_spec
+from .submission_checks import check_base_model, check_env_and_dataset, check_eval
+
+__all__ = [
+    "GpuRequestTooLarge",
+    "IllegalTransition",
+    "QuotaExceeded",
+    "add_event",
+    "cancel_job",
+    "check_metrics",
+    "discard_metrics_after",
+    "finish_job",
+    "gpu_seconds_this_month",
+    "gpus_in_use",
+    "heartbeat",
+    "largest_node_gpus",
+    "mark_running",
+    "mark_starting",
+    "month_start",
+    "quota_usage",
+    "record_metric_steps",
+    "record_metrics",
+    "requeue_job",
+    "submit_job",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,72 +85,32 @@ _FINISH_FROM: dict[str, tuple[str, ...]] = {
 }
 
 
-class QuotaExceeded(Exception):
-    """A submission over one of the team's quotas. ``quota`` names it."""
-
-    # max_queued_jobs is transient (wait and retry: 429); the others need an admin (403).
-    RETRYABLE = frozenset({"max_queued_jobs"})
-
-    def __init__(self, quota: str, limit: float, current: float) -> None:
-        self.quota = quota
-        self.limit = limit
-        self.current = current
-        super().__init__(f"quota exceeded: {quota} (limit {limit:g}, current {current:g})")
-
-    @property
-    def retryable(self) -> bool:
-        return self.quota in self.RETRYABLE
-
-
-class GpuRequestTooLarge(Exception):
-    """The job asks for more GPUs than the largest node has: it could never be placed."""
-
-    def __init__(self, requested: int, largest: int) -> None:
-        self.requested = requested
-        self.largest = largest
-        super().__init__(f"the job asks for {requested} GPUs but the largest node has {largest}")
-
-
 class IllegalTransition(Exception):
     """A transition the job's current state does not allow (e.g. cancelling a finished job)."""
 
 
-# --- hooks into workers/ (lazy: workers depends on jobs, not the other way round) -----------
-
-
-def _optional(module: str, attr: str) -> Any | None:
-    """``module.attr`` if the workers package provides it yet, else None."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        # Only a missing workers module is tolerated; a broken import inside it is a bug.
-        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
-            raise
-        return None
-    return getattr(mod, attr, None)
+# --- the control plane (registered by the workers app: jobs never imports workers) ----------
 
 
 def _request_dispatch() -> None:
-    request_dispatch = _optional("workers.dispatcher", "request_dispatch")
-    if request_dispatch is None:
-        logger.warning("workers.dispatcher is not available; the job waits in the queue")
+    plane = hooks.control_plane()
+    if plane is None:
+        logger.warning("no control plane is registered; the job waits in the queue")
         return
     try:
-        request_dispatch()
+        plane.dispatch()
     except Exception:
         # The job is committed as QUEUED; the next dispatch (release, reaper) will admit it.
         logger.exception("dispatch request failed; the job stays queued")
 
 
 def _cancel_running(job_id: str) -> None:
-    cancel_running = _optional("workers.control", "cancel_running")
-    if cancel_running is None:
-        logger.warning("workers.control is not available; job %s ends at its next check", job_id)
+    plane = hooks.control_plane()
+    if plane is None:
+        logger.warning("no control plane is registered; job %s ends at its next check", job_id)
         return
     try:
-        cancel_running(job_id)
+        plane.cancel_running(job_id)
     except Exception:
         # cancel_requested is committed; the runner sees it through the job row as well.
         logger.exception("cancel_running(%s) failed", job_id)
@@ -128,58 +118,12 @@ def _cancel_running(job_id: str) -> None:
 
 def largest_node_gpus() -> int | None:
     """GPUs on the largest node announced by workers, or None while unknown."""
-    max_block_size = _optional("workers.inventory", "max_block_size")
-    if max_block_size is None:
+    plane = hooks.control_plane()
+    if plane is None:
         return None
-    size = max_block_size()
+    size = plane.max_block_size()
     # 0 means no worker has announced yet: jobs queue until one does.
     return int(size) if size else None
-
-
-# --- usage ----------------------------------------------------------------------------------
-
-
-def month_start(now: datetime | None = None) -> datetime:
-    now = now or timezone.now()
-    return now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-
-
-def gpus_in_use(team_id: int) -> int:
-    """GPUs held by the team's starting and running jobs."""
-    held = Job.objects.filter(team_id=team_id, state__in=ACTIVE_STATES).values_list(
-        "gpus_held", flat=True
-    )
-    return sum(len(g or []) for g in held)
-
-
-def gpu_seconds_this_month(team_id: int, now: datetime | None = None) -> float:
-    """GPU time charged this calendar month (UTC): finished attempts plus running ones so far.
-
-    An attempt is charged to the month in which it ends (or now, while it runs).
-    """
-    now = now or timezone.now()
-    start = month_start(now)
-    jobs = Job.objects.filter(team_id=team_id)
-    done = (
-        jobs.filter(
-            Q(finished__gte=start) | Q(state__in=[JobState.QUEUED, *ACTIVE_STATES])
-        ).aggregate(total=Sum("gpu_seconds"))["total"]
-        or 0.0
-    )
-    running = 0.0
-    for started, held in jobs.filter(state__in=ACTIVE_STATES, started__isnull=False).values_list(
-        "started", "gpus_held"
-    ):
-        running += max(0.0, (now - started).total_seconds()) * len(held or [])
-    return float(done) + running
-
-
-def quota_usage(team: Team) -> dict[str, float | int]:
-    return {
-        "gpus_in_use": gpus_in_use(team.pk),
-        "queued_jobs": Job.objects.filter(team=team, state=JobState.QUEUED).count(),
-        "gpu_hours_this_month": round(gpu_seconds_this_month(team.pk) / 3600.0, 4),
-    }
 
 
 # --- events ---------------------------------------------------------------------------------
@@ -223,117 +167,6 @@ def _attempt_gpu_seconds(job: Job, now: datetime) -> float:
     return max(0.0, (now - job.started).total_seconds()) * len(job.gpus_held or [])
 
 
-# --- submit ---------------------------------------------------------------------------------
-
-
-def _check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
-    # A smoke job loads no model: only a base_model the caller named explicitly is checked.
-    if parsed.method == "smoke" and "base_model" not in parsed.model_fields_set:
-        return []
-    model = BaseModel.objects.filter(name=parsed.base_model).first()
-    if model is not None and model.enabled:
-        # Every submission path (API, web form, admin, scripts) meets the registry's limits.
-        return check_base_model_limits(
-            parsed, max_lora_rank=model.max_lora_rank, max_context=model.max_context
-        )
-    available = ", ".join(BaseModel.objects.enabled().values_list("name", flat=True)) or "none"
-    reason = "is disabled" if model is not None else "is not a registered base model"
-    return [
-        {"field": "base_model", "reason": f"{parsed.base_model!r} {reason}; available: {available}"}
-    ]
-
-
-def _check_env_and_dataset(parsed: JobSpec, team: Team) -> tuple[str | None, list[dict[str, str]]]:
-    """Apply the environment's 2x2 contract and find the dataset.
-
-    Returns the canonical dataset reference to store (``dataset:<id>`` or ``builtin:<name>``)
-    and the errors.
-    """
-    from environments.datasets import DatasetValidationError, resolve
-    from environments.registry import ContractError, check_contract, get_env
-
-    if parsed.env is None:
-        return parsed.dataset, []  # the spec model already refused a dataset without env
-    try:
-        check_contract(parsed.env, parsed.dataset)
-    except ContractError as exc:
-        return parsed.dataset, [exc.as_dict()]
-    if parsed.dataset is None:
-        return None, []
-    if parsed.dataset.startswith(BUILTIN_REF_PREFIX):
-        try:
-            resolve(parsed.dataset)
-        except DatasetValidationError as exc:
-            return parsed.dataset, [{"field": "dataset", "reason": exc.errors[0].reason}]
-        return parsed.dataset, []
-    dataset = find_team_dataset(team.pk, parsed.dataset)
-    if dataset is None:
-        reason = f"team {team.slug!r} has no dataset {parsed.dataset!r} (by name or id)"
-        return parsed.dataset, [{"field": "dataset", "reason": reason}]
-    if dataset.env != parsed.env:
-        # Validated for another env: fine when both read the same columns.
-        try:
-            same = get_env(dataset.env).schema == get_env(parsed.env).schema
-        except ContractError:
-            same = False
-        if not same:
-            reason = (
-                f"dataset {dataset.name!r} was validated for env {dataset.env!r}, whose columns "
-                f"differ from env {parsed.env!r}'s; upload it for {parsed.env!r}"
-            )
-            return parsed.dataset, [{"field": "dataset", "reason": reason}]
-    return dataset.ref, []
-
-
-def _check_eval(parsed: JobSpec, team: Team, kind: str) -> list[dict[str, str]]:
-    """An eval job names what it evaluates; a training job must not.
-
-    ``eval.from_job`` must be a LoRA job of the same team on the same base model, with the
-    named checkpoint, or (no checkpoint) a final adapter, already on disk.
-    """
-    from . import artifacts
-
-    if kind != JobKind.EVAL:
-        if parsed.eval is not None:
-            return [{"field": "eval", "reason": "only valid for kind 'eval'"}]
-        return []
-    if parsed.eval is None:
-        return [{"field": "eval", "reason": "required for kind 'eval' ({} = the base model)"}]
-    if parsed.eval.from_job is None:
-        return []
-    source = Job.objects.filter(pk=parsed.eval.from_job, team=team).first()
-    if source is None:
-        reason = f"team {team.slug!r} has no job {parsed.eval.from_job}"
-        return [{"field": "eval.from_job", "reason": reason}]
-    try:
-        source_spec = parse_spec(source.spec)
-    except SpecError:
-        source_spec = None
-    if source_spec is None or source_spec.method not in ("rl", "sft") or source.kind != "train":
-        return [{"field": "eval.from_job", "reason": "is not a training job (rl or sft)"}]
-    if source_spec.full_finetune:
-        reason = "trained every weight (full_finetune); eval jobs load LoRA adapters"
-        return [{"field": "eval.from_job", "reason": reason}]
-    if source_spec.base_model != parsed.base_model:
-        reason = f"job {source.pk} trained base model {source_spec.base_model!r}"
-        return [{"field": "base_model", "reason": reason}]
-    if parsed.eval.checkpoint is not None:
-        if artifacts.checkpoint_file(source.pk, parsed.eval.checkpoint) is None:
-            listed = artifacts.checkpoints(source.pk)
-            # Eval jobs load the native engine's state; verl checkpoints are not for it.
-            names = ", ".join(c["name"] for c in listed if c["kind"] == "native") or "none"
-            reason = f"job {source.pk} has no checkpoint {parsed.eval.checkpoint!r}; has: {names}"
-            return [{"field": "eval.checkpoint", "reason": reason}]
-        return []
-    if artifacts.adapter_dir(source.pk) is None:
-        reason = (
-            f"job {source.pk} has no final adapter yet (state {source.state}); "
-            "name one of its checkpoints in eval.checkpoint"
-        )
-        return [{"field": "eval.from_job", "reason": reason}]
-    return []
-
-
 def submit_job(
     *,
     team: Team,
@@ -369,8 +202,8 @@ def submit_job(
         quota, _ = Quota.objects.select_for_update().get_or_create(team=team)
         # Under the lock: jobs.datasets.delete_dataset takes it too, so a dataset cannot be
         # deleted between being found here and the job row naming it.
-        dataset_ref, errors = _check_env_and_dataset(parsed, team)
-        errors = _check_base_model(parsed) + errors + _check_eval(parsed, team, kind)
+        dataset_ref, errors = check_env_and_dataset(parsed, team)
+        errors = check_base_model(parsed) + errors + check_eval(parsed, team, kind)
         if errors:
             raise SpecError(errors)
         normalized = parsed.model_dump(mode="json")
@@ -559,65 +392,6 @@ def heartbeat(job_id: JobId, *, attempt: int, step: int | None = None) -> bool:
         **fields
     )
     return bool(updated)
-
-
-def check_metrics(step: int, metrics: Mapping[str, float]) -> dict[str, float]:
-    """The metrics of ``step`` as finite floats; ValueError names what cannot be stored."""
-    if step < 0:
-        raise ValueError("step must be >= 0")
-    checked: dict[str, float] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not name or len(name) > 100:
-            raise ValueError(f"metric name must be a non-empty string of <= 100 chars: {name!r}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"metric {name!r} is not finite: {value}")
-        checked[name] = value
-    return checked
-
-
-def record_metrics(job_id: JobId, step: int, metrics: Mapping[str, float], *, attempt: int) -> bool:
-    """Upsert metric values of ``step``; a resumed run overwrites what it logged before.
-    False (nothing written) when ``attempt`` is not the job's live attempt."""
-    return record_metric_steps(job_id, [(step, metrics)], attempt=attempt)
-
-
-def record_metric_steps(
-    job_id: JobId, steps: Iterable[tuple[int, Mapping[str, float]]], *, attempt: int
-) -> bool:
-    """Upsert the metrics of several steps in one transaction (a runner buffers a few steps
-    between writes: one commit per step is most of a managed job's overhead on SQLite).
-    A step given twice keeps its last values. False (nothing written) when ``attempt`` is not
-    the job's live attempt."""
-    latest: dict[tuple[int, str], JobMetric] = {}
-    for step, metrics in steps:
-        for name, value in check_metrics(step, metrics).items():
-            latest[(step, name)] = JobMetric(job_id=job_id, step=step, name=name, value=value)
-    if not latest:
-        return True
-    with transaction.atomic():
-        live = Job.objects.filter(pk=job_id, attempt=attempt, state__in=ACTIVE_STATES).exists()
-        if not live:
-            return False
-        JobMetric.objects.bulk_create(
-            list(latest.values()),
-            update_conflicts=True,
-            unique_fields=["job", "step", "name"],
-            update_fields=["value"],
-        )
-    return True
-
-
-def discard_metrics_after(job_id: JobId, step: int, *, attempt: int) -> int | None:
-    """Delete the metrics of steps after ``step``: a run resumed from the checkpoint of
-    ``step`` redoes them, and rows an earlier attempt wrote past it must not linger (or
-    outlive it, should the new run log fewer names). None when ``attempt`` is not live."""
-    with transaction.atomic():
-        live = Job.objects.filter(pk=job_id, attempt=attempt, state__in=ACTIVE_STATES).exists()
-        if not live:
-            return None
-        deleted, _ = JobMetric.objects.filter(job_id=job_id, step__gt=step).delete()
-    return deleted
 
 
 # --- cancel ---------------------------------------------------------------------------------

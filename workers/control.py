@@ -9,9 +9,13 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from celery import current_app
 from django.utils import timezone
 
+from jobs import services
+from jobs.models import ACTIVE_STATES, Job, JobState
 from workers import audit, conf
+from workers.dispatcher import request_dispatch
 from workers.locktable import GpuLockTable
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ def mark_stopping() -> None:
     time. Called from the worker's shutdown handler; Redis being unreachable is not fatal."""
     try:
         conf.get_redis().set(_stopping_key(os.getpid()), "1", ex=STOPPING_FLAG_SECONDS)
-    except Exception:  # noqa: BLE001 - a shutdown must not fail on this
+    except Exception:  # a shutdown must not fail on this
         log.warning("could not flag this worker as stopping", exc_info=True)
 
 
@@ -54,7 +58,7 @@ def clear_stopping() -> None:
     container runs its worker as the same pid on the same host name)."""
     try:
         conf.get_redis().delete(_stopping_key(os.getpid()))
-    except Exception:  # noqa: BLE001 - the broker connection reports an unreachable Redis
+    except Exception:  # the broker connection reports an unreachable Redis
         log.warning("could not clear this worker's stopping flag", exc_info=True)
 
 
@@ -80,12 +84,10 @@ def clear_cancel(job_id: str) -> None:
 def _revoke(task_id: str) -> None:
     if not task_id:
         return
-    from opentinker_site.celery import app
-
     try:
         # No terminate: a started runner stops at its next step and releases its own GPUs;
         # killing it mid-write could leave a half-written checkpoint.
-        app.control.revoke(task_id)
+        current_app.control.revoke(task_id)
     except Exception:
         log.exception("could not revoke task %s", task_id)
 
@@ -98,9 +100,6 @@ def cancel_running(job_id: str) -> None:
     started runner ends the job itself within one step. If the runner is gone, its lease
     expires and the reaper ends the job CANCELLED.
     """
-    from jobs import services
-    from jobs.models import Job, JobState
-
     job_id = str(job_id)
     conf.get_redis().set(f"{CANCEL_PREFIX}{job_id}", "1", ex=CANCEL_FLAG_SECONDS)
     row = Job.objects.filter(pk=job_id).values("state", "attempt", "celery_task_id").first()
@@ -110,8 +109,6 @@ def cancel_running(job_id: str) -> None:
         audit.lease_ended(job_id, row["attempt"], "cancelled")
         services.finish_job(job_id, JobState.CANCELLED, attempt=row["attempt"])
         _revoke(row["celery_task_id"])
-        from workers.dispatcher import request_dispatch
-
         request_dispatch()
         return
     _revoke(row["celery_task_id"])
@@ -126,10 +123,6 @@ def reap() -> dict[str, Any]:
     state) is treated the same once it has been silent for two lease periods. A node that let
     a lease expire is withdrawn from placement until its worker refreshes it again.
     """
-    from jobs import services
-    from jobs.models import ACTIVE_STATES, Job
-    from workers.dispatcher import request_dispatch
-
     table = _table()
     requeued: list[str] = []
     reclaimed = [lease for lease in table.expired() if table.reclaim(lease)]

@@ -25,15 +25,26 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from celery import current_app
 from django.utils import timezone
 from redis.exceptions import LockError
 
+from jobs import services
+from jobs.models import Job, JobState
 from workers import audit, conf
+from workers.celeryconf import RUN_JOB_TASK, node_queue
 from workers.locktable import GpuLockTable, Lease
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KEY_PREFIX", "Candidate", "admission_order", "dispatch_once", "request_dispatch"]
+__all__ = [
+    "KEY_PREFIX",
+    "Candidate",
+    "admission_order",
+    "dispatch_once",
+    "queued_candidates",
+    "request_dispatch",
+]
 
 KEY_PREFIX = "ot:dispatch:"
 LOCK_KEY = KEY_PREFIX + "lock"
@@ -69,9 +80,8 @@ def admission_order(
     )
 
 
-def _queued_candidates() -> list[Candidate]:
-    from jobs.models import Job, JobState
-
+def queued_candidates() -> list[Candidate]:
+    """The queued jobs, highest priority and oldest first (at most ``SCAN_LIMIT``)."""
     rows = (
         Job.objects.filter(state=JobState.QUEUED)
         .order_by("-priority", "created")
@@ -90,12 +100,12 @@ def _queued_candidates() -> list[Candidate]:
     ]
 
 
+# TRANSITIONAL: web/views/pool.py imports the old private name; it should use queued_candidates.
+_queued_candidates = queued_candidates
+
+
 def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
     """Mark the job STARTING and send its task; on any failure give the GPUs back."""
-    from jobs import services
-    from opentinker_site.celery import node_queue
-    from workers.tasks import run_job
-
     task_id = str(uuid.uuid4())
     if not services.mark_starting(
         cand.job_id, node=lease.node, gpus=lease.gpu_ids, task_id=task_id
@@ -106,7 +116,8 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
     audit.lease_acquired(lease, cand.attempt)
     soft, hard = conf.task_time_limits(cand.spec)
     try:
-        run_job.apply_async(
+        current_app.send_task(
+            RUN_JOB_TASK,
             args=[cand.job_id],
             kwargs={
                 "attempt": cand.attempt,
@@ -143,7 +154,7 @@ def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None
     if not alive_sizes:
         return []  # nothing could be placed: skip the queue scan (every submit lands here)
     largest_alive = max(alive_sizes)
-    candidates = _queued_candidates()
+    candidates = queued_candidates()
     if not candidates:
         return []
     aging, window, ttl = conf.aging_seconds(), conf.backfill_window_seconds(), conf.lease_seconds()

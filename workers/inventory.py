@@ -20,6 +20,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 
 from workers import conf
+from workers.dispatcher import request_dispatch
 from workers.locktable import GpuLockTable
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Inventory",
     "detect_inventory",
-    "device_names",
     "max_block_size",
     "start_announcer",
     "stop_announcer",
@@ -115,8 +115,8 @@ def _numa_groups(gpus: list[tuple[int, str]], offered: list[int]) -> list[list[i
 
 def detect_inventory() -> Inventory:
     node = conf.node_name()
-    configured = _as_text(conf._setting("OPENTINKER_GPUS", ""), ",")
-    groups_raw = _as_text(conf._setting("OPENTINKER_GPU_GROUPS", ""), ";")
+    configured = _as_text(conf.setting("OPENTINKER_GPUS"), ",")
+    groups_raw = _as_text(conf.setting("OPENTINKER_GPU_GROUPS"), ";")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus: list[int] = []
     smi: list[tuple[int, str]] = []
@@ -141,21 +141,6 @@ def detect_inventory() -> Inventory:
     else:
         groups = _numa_groups(smi or _nvidia_smi_gpus(), gpus)
     return Inventory(node=node, gpus=sorted(gpus), groups=groups, kind="gpu")
-
-
-def device_names(kind: str, gpus: list[int] | tuple[int, ...]) -> list[str]:
-    """Torch device strings for leased GPUs, as this process sees them.
-
-    With ``CUDA_VISIBLE_DEVICES=2,3`` the leased physical GPU 3 is ``cuda:1`` in-process.
-    """
-    if kind != "gpu":
-        return ["cpu"] * len(gpus)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    entries = [e for e in visible.replace(" ", "").split(",") if e]
-    if entries and all(e.isdigit() for e in entries):
-        order = [int(e) for e in entries]
-        return [f"cuda:{order.index(g)}" if g in order else f"cuda:{g}" for g in gpus]
-    return [f"cuda:{g}" for g in gpus]
 
 
 def lock_table() -> GpuLockTable:
@@ -212,8 +197,6 @@ _announcer: _Announcer | None = None
 
 
 def _request_dispatch() -> None:
-    from workers.dispatcher import request_dispatch
-
     try:
         request_dispatch()
     except Exception:

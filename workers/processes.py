@@ -7,6 +7,7 @@ reaches the whole tree: Celery pool processes, Ray workers, vLLM engines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,8 +44,6 @@ def stop_process_group(proc: subprocess.Popen[Any], grace_s: float) -> None:
         if proc.poll() is not None and not group_alive(pgid):
             return
         time.sleep(0.05)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()

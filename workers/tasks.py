@@ -1,4 +1,4 @@
-"""Celery tasks: ``run_job`` on ``gpu.<node>``, ``dispatch`` and ``reap`` on ``control``.
+"""Celery tasks: ``run_job`` on ``gpu.<node>``, ``reap`` on ``control``.
 
 Tasks take primary keys and JSON only. ``run_job`` owns one attempt of one job: it proves it
 still holds the lease, marks the job RUNNING, runs the runner with a background thread
@@ -9,7 +9,6 @@ through ``jobs.services`` and releases the GPUs, whatever happened.
 from __future__ import annotations
 
 import logging
-import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -18,42 +17,18 @@ from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 
-from workers import audit, conf
+from jobs import services
+from jobs.models import Job, JobState
+from workers import audit, conf, control, runners
+from workers.celeryconf import REAP_TASK, RUN_JOB_TASK
+from workers.devices import lease_devices
+from workers.dispatcher import request_dispatch
+from workers.leases import LeaseKeeper
 from workers.locktable import GpuLockTable, Lease
 
 log = logging.getLogger(__name__)
 
-
-class LeaseKeeper(threading.Thread):
-    """Renews a lease every heartbeat interval; tells the context when the lease is lost."""
-
-    def __init__(self, table: GpuLockTable, lease: Lease, on_lost: Any) -> None:
-        super().__init__(name=f"lease-{lease.job_id}", daemon=True)
-        self.table = table
-        self.lease = lease
-        self.on_lost = on_lost
-        self.stopping = threading.Event()
-
-    def still_held(self) -> bool:
-        """One renewal; False once the lease is gone. Subclasses renew more beside it."""
-        if self.table.renew(self.lease, conf.lease_seconds()) is None:
-            log.warning("lease %s was lost", self.lease.job_id)
-            return False
-        return True
-
-    def run(self) -> None:
-        while not self.stopping.wait(conf.heartbeat_interval()):
-            try:
-                if not self.still_held():
-                    self.on_lost()
-                    return
-            except Exception:
-                # Redis briefly unreachable: the lease has two more intervals before it expires.
-                log.exception("could not renew lease %s", self.lease.job_id)
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(timeout=5)
+__all__ = ["job_workdir", "reap", "run_job"]
 
 
 def job_workdir(job_id: str) -> Path:
@@ -63,19 +38,9 @@ def job_workdir(job_id: str) -> Path:
     return path
 
 
-def _node_kind(table: GpuLockTable, node: str) -> str:
-    info = table.nodes().get(node)
-    return str(info["kind"]) if info else "gpu"
-
-
-@shared_task(name="workers.tasks.run_job", acks_late=True, ignore_result=True)
+@shared_task(name=RUN_JOB_TASK, acks_late=True, ignore_result=True)
 def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_token: str) -> str:
     """Run one attempt of a job on the GPUs its lease names. Returns the outcome for logs."""
-    from jobs import services
-    from jobs.models import Job, JobState
-    from workers import control, runners
-    from workers.dispatcher import request_dispatch
-
     table = GpuLockTable(conf.get_redis())
     lease = Lease(job_id=str(job_id), node=node, gpus=tuple(gpus), token=lease_token)
     # Proves the lease is still ours (a cancel or the reaper may have taken it while the task
@@ -95,7 +60,7 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         job_id=str(job_id),
         attempt=attempt,
         spec=spec,
-        devices=_devices(table, node, gpus),
+        devices=lease_devices(table, node, gpus),
         workdir=job_workdir(job_id),
         node=node,
         gpus=list(gpus),
@@ -152,21 +117,11 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
     return outcome
 
 
-def _devices(table: GpuLockTable, node: str, gpus: list[int]) -> list[str]:
-    from workers.inventory import device_names
-
-    return device_names(_node_kind(table, node), gpus)
-
-
-@shared_task(name="workers.tasks.dispatch", ignore_result=True)
-def dispatch() -> list[str]:
-    from workers.dispatcher import request_dispatch
-
-    return request_dispatch()
-
-
-@shared_task(name="workers.tasks.reap", ignore_result=True)
+@shared_task(name=REAP_TASK, ignore_result=True)
 def reap() -> dict[str, Any]:
-    from workers.control import reap as reap_now
+    return control.reap()
 
-    return reap_now()
+
+# TRANSITIONAL: tinker_api/modelworker.py imports the old private name; it should use
+# workers.devices.lease_devices.
+_devices = lease_devices

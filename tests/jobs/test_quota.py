@@ -86,11 +86,13 @@ def test_it_dispatches_after_commit_only(team, owner, django_capture_on_commit_c
     with django_capture_on_commit_callbacks() as callbacks:
         services.submit_job(team=team, user=owner, spec=SMOKE, name="x")
     assert len(callbacks) == 1
-    with django_capture_on_commit_callbacks() as callbacks:
-        with pytest.raises(services.QuotaExceeded):
-            team.quota.max_queued_jobs = 1
-            team.quota.save()
-            services.submit_job(team=team, user=owner, spec=SMOKE, name="x")
+    team.quota.max_queued_jobs = 1
+    team.quota.save()
+    with (
+        django_capture_on_commit_callbacks() as callbacks,
+        pytest.raises(services.QuotaExceeded),
+    ):
+        services.submit_job(team=team, user=owner, spec=SMOKE, name="x")
     assert callbacks == []
 
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from environments import registry
-from environments.schema import Column, DatasetSchema
 from environments.registry import get_env, register
+from environments.schema import Column, DatasetSchema
 from jobs import services
 from jobs.models import BaseModel, Job
 from jobs.spec import SpecError

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from opentinker_site.celery import celery_settings
 from workers import conf
+from workers.celeryconf import celery_settings
 
 
 def test_it_derives_every_timing_from_the_lease_setting(settings: Any) -> None:

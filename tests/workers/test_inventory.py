@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from workers import inventory
+from workers import devices, inventory
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_it_offers_cpu_slots_without_gpus(node_settings: Any) -> None:
     node_settings.OPENTINKER_CPU_SLOTS = 3
     inv = inventory.detect_inventory()
     assert (inv.node, inv.kind, inv.gpus, inv.groups) == ("n7", "cpu", [0, 1, 2], [])
-    assert inventory.device_names("cpu", [1]) == ["cpu"]
+    assert devices.device_names("cpu", [1]) == ["cpu"]
 
 
 def test_it_reads_configured_gpus_and_groups(node_settings: Any) -> None:
@@ -42,7 +42,7 @@ def test_it_reads_cuda_visible_devices_and_maps_devices(
     inv = inventory.detect_inventory()
     assert (inv.kind, inv.gpus) == ("gpu", [2, 3])
     # Physical GPU 3 is the process's second visible device.
-    assert inventory.device_names("gpu", [3]) == ["cuda:1"]
+    assert devices.device_names("gpu", [3]) == ["cuda:1"]
 
 
 def test_it_rejects_a_malformed_gpu_list(node_settings: Any) -> None:

@@ -11,6 +11,7 @@ built-in smoke job instead, ``--spec`` any JobSpec. Exits 0 when the job SUCCEED
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -19,11 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
+from accounts.keys import issue_key
+from accounts.models import Membership, Team
+from training import data
 from workers.processes import stop_process_group
 
 DEMO_USER = "demo"
@@ -46,8 +52,6 @@ def demo_rows() -> list[dict[str, str]]:
     RL sharpens what pre-training half taught: the job trains on 500 of them and holds out
     the other 100 (a seeded split), on which it measures accuracy before and after.
     """
-    from training import data
-
     train = data.addition_split()[0][:600]
     return [{"question": p.question(i), "answer": str(p.answer)} for i, p in enumerate(train)]
 
@@ -87,11 +91,6 @@ def free_port(preferred: int) -> int:
 
 def demo_key() -> tuple[str, str]:
     """(team slug, plaintext key): the demo user and team, created once, and a new key."""
-    from django.contrib.auth import get_user_model
-
-    from accounts.keys import issue_key
-    from accounts.models import Membership, Team
-
     with transaction.atomic():
         user, created = get_user_model().objects.get_or_create(username=DEMO_USER)
         if created:
@@ -137,10 +136,6 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        import logging
-
-        import httpx
-
         logging.getLogger("httpx").setLevel(logging.WARNING)
         server: subprocess.Popen[bytes] | None = None
         url = options["url"]
@@ -188,8 +183,6 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS("demo job SUCCEEDED"))
 
     def _wait_up(self, client: Any, server: subprocess.Popen[bytes] | None, timeout: float) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if server is not None and server.poll() is not None:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from celery import current_app
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from workers import conf
+from workers.inventory import detect_inventory
 
 
 class Command(BaseCommand):
@@ -34,22 +39,21 @@ class Command(BaseCommand):
         if options["node"]:
             if ":" in options["node"] or not options["node"].strip():
                 raise CommandError("--node must be a non-empty name without ':'")
-            # The worker's child processes and signal handlers read the node from here.
+            configured = conf.setting("OPENTINKER_NODE_NAME")
+            if configured and configured != options["node"]:
+                raise CommandError(
+                    f"OPENTINKER_NODE_NAME={configured!r} contradicts --node {options['node']!r}"
+                )
+            # This process's signal handlers read the setting; processes it starts with a fresh
+            # interpreter build their settings from the environment.
+            settings.OPENTINKER_NODE_NAME = options["node"]
             os.environ["OPENTINKER_NODE_NAME"] = options["node"]
-        from opentinker_site.celery import app
-        from workers import conf
-        from workers.inventory import detect_inventory
-
         inventory = detect_inventory()
         node = conf.node_name()
-        if options["node"] and node != options["node"]:
-            raise CommandError(
-                f"settings.OPENTINKER_NODE_NAME={node!r} overrides --node {options['node']!r}"
-            )
         queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
         if not queues:
             raise CommandError("--queues must name at least one queue")
-        # gpu.<node> is added by the worker itself (opentinker_site.celery), declared exactly
+        # gpu.<node> is added by the worker itself (workers.signals), declared exactly
         # as the dispatcher declares it when it publishes there.
         queues = [q for q in queues if q != f"gpu.{node}"]
         shown = [*queues, f"gpu.{node}"] if "gpu" in queues else queues
@@ -73,4 +77,4 @@ class Command(BaseCommand):
             f"worker for node {node}: {inventory.kind} {inventory.gpus}, queues {shown}, "
             f"concurrency {concurrency}, beat {'off' if options['no_beat'] else 'on'}"
         )
-        app.worker_main(argv)
+        current_app.worker_main(argv)

@@ -19,6 +19,8 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from opentinker_site.embedded import ensure_valkey
+
 MANAGE_PY = Path(settings.BASE_DIR) / "manage.py"
 
 
@@ -56,8 +58,6 @@ class Command(BaseCommand):
         parser.add_argument("--no-migrate", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from opentinker_site.embedded import ensure_valkey
-
         if not 0 < options["port"] < 65536:
             raise CommandError("--port must be in 1..65535")
         # settings.REDIS_URL came from the environment or from ensure_valkey() when the

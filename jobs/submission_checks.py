@@ -1,0 +1,121 @@
+"""What a submission must satisfy beyond its spec's own rules: the base-model registry, the
+environment's data contract and the team's datasets, and what an eval job evaluates.
+
+Each check returns the errors it found as ``{"field", "reason"}`` dicts, for ``SpecError``.
+"""
+
+from __future__ import annotations
+
+from accounts.models import Team
+from environments.datasets import DatasetValidationError, resolve
+from environments.registry import ContractError, check_contract, get_env
+
+from . import artifacts
+from .datasets import BUILTIN_REF_PREFIX, find_team_dataset
+from .models import BaseModel, Job, JobKind
+from .spec import JobSpec, SpecError, check_base_model_limits, parse_spec
+
+__all__ = ["check_base_model", "check_env_and_dataset", "check_eval"]
+
+
+def check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
+    # A smoke job loads no model: only a base_model the caller named explicitly is checked.
+    if parsed.method == "smoke" and "base_model" not in parsed.model_fields_set:
+        return []
+    model = BaseModel.objects.filter(name=parsed.base_model).first()
+    if model is not None and model.enabled:
+        # Every submission path (API, web form, admin, scripts) meets the registry's limits.
+        return check_base_model_limits(
+            parsed, max_lora_rank=model.max_lora_rank, max_context=model.max_context
+        )
+    available = ", ".join(BaseModel.objects.enabled().values_list("name", flat=True)) or "none"
+    reason = "is disabled" if model is not None else "is not a registered base model"
+    return [
+        {"field": "base_model", "reason": f"{parsed.base_model!r} {reason}; available: {available}"}
+    ]
+
+
+def check_env_and_dataset(parsed: JobSpec, team: Team) -> tuple[str | None, list[dict[str, str]]]:
+    """Apply the environment's 2x2 contract and find the dataset.
+
+    Returns the canonical dataset reference to store (``dataset:<id>`` or ``builtin:<name>``)
+    and the errors.
+    """
+    if parsed.env is None:
+        return parsed.dataset, []  # the spec model already refused a dataset without env
+    try:
+        check_contract(parsed.env, parsed.dataset)
+    except ContractError as exc:
+        return parsed.dataset, [exc.as_dict()]
+    if parsed.dataset is None:
+        return None, []
+    if parsed.dataset.startswith(BUILTIN_REF_PREFIX):
+        try:
+            resolve(parsed.dataset)
+        except DatasetValidationError as exc:
+            return parsed.dataset, [{"field": "dataset", "reason": exc.errors[0].reason}]
+        return parsed.dataset, []
+    dataset = find_team_dataset(team.pk, parsed.dataset)
+    if dataset is None:
+        reason = f"team {team.slug!r} has no dataset {parsed.dataset!r} (by name or id)"
+        return parsed.dataset, [{"field": "dataset", "reason": reason}]
+    if dataset.env != parsed.env:
+        # Validated for another env: fine when both read the same columns.
+        try:
+            same = get_env(dataset.env).schema == get_env(parsed.env).schema
+        except ContractError:
+            same = False
+        if not same:
+            reason = (
+                f"dataset {dataset.name!r} was validated for env {dataset.env!r}, whose columns "
+                f"differ from env {parsed.env!r}'s; upload it for {parsed.env!r}"
+            )
+            return parsed.dataset, [{"field": "dataset", "reason": reason}]
+    return dataset.ref, []
+
+
+def check_eval(parsed: JobSpec, team: Team, kind: str) -> list[dict[str, str]]:
+    """An eval job names what it evaluates; a training job must not.
+
+    ``eval.from_job`` must be a LoRA job of the same team on the same base model, with the
+    named checkpoint, or (no checkpoint) a final adapter, already on disk.
+    """
+    if kind != JobKind.EVAL:
+        if parsed.eval is not None:
+            return [{"field": "eval", "reason": "only valid for kind 'eval'"}]
+        return []
+    if parsed.eval is None:
+        return [{"field": "eval", "reason": "required for kind 'eval' ({} = the base model)"}]
+    if parsed.eval.from_job is None:
+        return []
+    source = Job.objects.filter(pk=parsed.eval.from_job, team=team).first()
+    if source is None:
+        reason = f"team {team.slug!r} has no job {parsed.eval.from_job}"
+        return [{"field": "eval.from_job", "reason": reason}]
+    try:
+        source_spec = parse_spec(source.spec)
+    except SpecError:
+        source_spec = None
+    if source_spec is None or source_spec.method not in ("rl", "sft") or source.kind != "train":
+        return [{"field": "eval.from_job", "reason": "is not a training job (rl or sft)"}]
+    if source_spec.full_finetune:
+        reason = "trained every weight (full_finetune); eval jobs load LoRA adapters"
+        return [{"field": "eval.from_job", "reason": reason}]
+    if source_spec.base_model != parsed.base_model:
+        reason = f"job {source.pk} trained base model {source_spec.base_model!r}"
+        return [{"field": "base_model", "reason": reason}]
+    if parsed.eval.checkpoint is not None:
+        if artifacts.checkpoint_file(source.pk, parsed.eval.checkpoint) is None:
+            listed = artifacts.checkpoints(source.pk)
+            # Eval jobs load the native engine's state; verl checkpoints are not for it.
+            names = ", ".join(c["name"] for c in listed if c["kind"] == "native") or "none"
+            reason = f"job {source.pk} has no checkpoint {parsed.eval.checkpoint!r}; has: {names}"
+            return [{"field": "eval.checkpoint", "reason": reason}]
+        return []
+    if artifacts.adapter_dir(source.pk) is None:
+        reason = (
+            f"job {source.pk} has no final adapter yet (state {source.state}); "
+            "name one of its checkpoints in eval.checkpoint"
+        )
+        return [{"field": "eval.from_job", "reason": reason}]
+    return []
