@@ -200,12 +200,12 @@ def run_in_process(engine: Any, spec_data: dict[str, Any], n: int) -> tuple[floa
     """(seconds for building the loop and running it, tokens sampled)."""
     from jobs.spec import parse_spec
     from workers.runners.loop import TrainingLoop
-    from workers.runners.native import _rows
+    from workers.runners.inputs import dataset_rows
 
     spec = parse_spec(spec_data)
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         started = time.perf_counter()
-        rows, eval_rows = _rows(spec)
+        rows, eval_rows = dataset_rows(spec)
         ctx = QuietContext(Path(tmp))
         loop = TrainingLoop(
             ctx,

@@ -12,21 +12,26 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from environments.renderer import Renderer
 
 from . import artifacts
 from .adapters import load_peft_adapter
+from .engines import engine_for, policy_from_spec
 from .models import BaseModel, Job
-from .spec import SpecError, parse_spec
+from .spec import JobSpec, SpecError, parse_spec
+
+if TYPE_CHECKING:
+    from training.engine import Engine
 
 MAX_SAMPLE_TOKENS = 256
 MAX_SAMPLES = 8
 MAX_CACHED_ADAPTERS = 4
 
 _LOCK = threading.Lock()
-# (model directory) -> Engine; adapters: (job id, adapter file mtime) -> policy id, LRU order.
-_ENGINES: dict[str, Any] = {}
-_ADAPTERS: OrderedDict[tuple[str, int], tuple[str, str]] = OrderedDict()
+# (job id, adapter file mtime) -> (policy id, the engine holding it), in LRU order.
+_ADAPTERS: OrderedDict[tuple[str, int], tuple[str, Engine]] = OrderedDict()
 
 
 class NoAdapter(Exception):
@@ -40,17 +45,7 @@ class BadSampleRequest(ValueError):
         super().__init__(f"{field}: {reason}")
 
 
-def _engine(path: Path) -> Any:
-    from training.engine import Engine
-
-    engine = _ENGINES.get(str(path))
-    if engine is None:
-        engine = Engine(path)
-        _ENGINES[str(path)] = engine
-    return engine
-
-
-def _policy_for(job: Job, engine: Any, adapter: Path) -> str:
+def _policy_for(job: Job, spec: JobSpec, engine: Engine, adapter: Path) -> str:
     """The registered policy holding the job's adapter, loaded on first use."""
     # The file's mtime is part of the key: a re-exported adapter is loaded again.
     key = (str(job.pk), (adapter / "adapter_model.safetensors").stat().st_mtime_ns)
@@ -58,25 +53,17 @@ def _policy_for(job: Job, engine: Any, adapter: Path) -> str:
     if cached is not None and cached[0] in engine.policies:
         _ADAPTERS.move_to_end(key)
         return cached[0]
-    spec = parse_spec(job.spec)
     policy_id = f"sample-{job.pk}-{key[1]}"
-    policy = engine.create_policy(
-        rank=spec.lora.rank,
-        alpha=spec.lora.alpha,
-        target_modules=spec.lora.target_modules,
-        seed=spec.seed,
-        policy_id=policy_id,
-    )
+    policy = policy_from_spec(engine, spec, policy_id=policy_id)
     try:
         load_peft_adapter(policy, adapter)
     except Exception:
         engine.remove_policy(policy_id)
         raise
-    _ADAPTERS[key] = (policy_id, str(engine.base_path))
+    _ADAPTERS[key] = (policy_id, engine)
     while len(_ADAPTERS) > MAX_CACHED_ADAPTERS:
-        _, (old_id, old_path) = _ADAPTERS.popitem(last=False)
-        old_engine = _ENGINES.get(old_path)
-        if old_engine is not None and old_id in old_engine.policies:
+        _, (old_id, old_engine) = _ADAPTERS.popitem(last=False)
+        if old_id in old_engine.policies:
             old_engine.remove_policy(old_id)
     return policy_id
 
@@ -93,7 +80,7 @@ def sample_from_job(
 ) -> list[dict[str, Any]]:
     """Generate `n` continuations of the prompt (raw text) or of the chat (rendered with the
     base model's chat template, stopping at the end of the assistant turn)."""
-    from environments.renderer import Renderer
+    # Lazy: these import torch, which the web process loads only once a sample is asked for.
     from training.sampler import SampleRequest, sample
     from training.types import SamplingParams
 
@@ -108,7 +95,7 @@ def sample_from_job(
     if model is None:
         raise NoAdapter(f"base model {spec.base_model!r} is not registered or is disabled")
     with _LOCK:
-        engine = _engine(model.resolved_path())
+        engine = engine_for(model.resolved_path())
         renderer = Renderer(engine.tokenizer)
         if messages is not None:
             tokens = renderer.prompt_tokens(messages)  # type: ignore[arg-type]
@@ -125,7 +112,7 @@ def sample_from_job(
                 f"{len(tokens)} prompt tokens + max_tokens {max_tokens} exceed the context of "
                 f"{model.max_context} tokens of base model {model.name!r}",
             )
-        policy_id = _policy_for(job, engine, adapter)
+        policy_id = _policy_for(job, spec, engine, adapter)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=stop_ids
         )

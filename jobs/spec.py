@@ -21,6 +21,9 @@ from pydantic import (
     model_validator,
 )
 
+from environments.registry import ContractError, get_env, make_config
+from environments.types import DataSource, Interaction
+
 CURRENT_VERSION = 1
 MAX_RUNTIME_S = 7 * 86400
 ALL_LINEAR = "all-linear"
@@ -101,7 +104,9 @@ class AlgorithmSpec(_Section):
         0.0,
         ge=0.0,
         le=10.0,
-        description="Per-token KL penalty against the base model, folded into the advantage; 0 = off.",
+        description=(
+            "Per-token KL penalty against the base model, folded into the advantage; 0 = off."
+        ),
     )
 
     @model_validator(mode="after")
@@ -386,9 +391,6 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
 
     An unknown env name is left to ``check_contract`` at submission, which names it.
     """
-    from environments.registry import ContractError, get_env, make_config
-    from environments.types import DataSource, Interaction
-
     try:
         env = get_env(str(spec.env))
     except ContractError:

@@ -151,7 +151,7 @@ def test_it_lists_and_serves_the_checkpoints_verl_writes(
     team: Any, owner: Any, data_dir: Path, owner_client: APIClient, outsider_client: APIClient
 ) -> None:
     from jobs import artifacts
-    from workers.runners import verl
+    from workers.runners import verl_process
     from workers.runners.base import JobContext
 
     job = Job.objects.create(
@@ -169,9 +169,9 @@ def test_it_lists_and_serves_the_checkpoints_verl_writes(
     checkpoint_dir = root / "verl" / "checkpoints"
     for step in (2, 4, 6):
         write_verl_checkpoint(checkpoint_dir, step)
-        for saved in verl._saved_steps(checkpoint_dir):
+        for saved in verl_process.saved_steps(checkpoint_dir):
             if saved == step:
-                verl._register_checkpoint(ctx, checkpoint_dir, step)
+                verl_process.register_checkpoint(ctx, checkpoint_dir, step)
     # verl rotated the oldest away (max_actor_ckpt_to_keep), and a link inside a checkpoint
     # points outside the workdir: neither is served.
     shutil.rmtree(checkpoint_dir / "global_step_2")

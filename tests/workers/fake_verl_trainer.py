@@ -50,7 +50,8 @@ def main() -> int:
         start = int(latest.read_text()) + 1
     for step in range(start, steps + 1):
         print(
-            f"(TaskRunner pid={os.getpid()}) step:{step} - critic/score/mean:np.float64({step / 10})"
+            f"(TaskRunner pid={os.getpid()}) step:{step}"
+            f" - critic/score/mean:np.float64({step / 10})"
             f" - actor/pg_loss:{-step / 100} - actor/entropy:nan - timing_s/step:0.01"
             f" - training/global_step:{step}",
             flush=True,

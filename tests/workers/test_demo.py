@@ -62,7 +62,7 @@ def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
 def test_it_ships_a_default_demo_spec_that_validates() -> None:
     from jobs.spec import check_base_model_limits, parse_spec
     from workers.management.commands.demo import DEMO_DATASET, demo_rows, demo_spec
-    from workers.runners.loop import split_holdout
+    from workers.runners.inputs import split_holdout
 
     spec = parse_spec(demo_spec())
     assert (spec.method, spec.env, spec.base_model, spec.dataset) == (

@@ -10,6 +10,7 @@ import pytest
 
 from jobs import services
 from jobs.models import Job, JobState
+from jobs.spec import parse_spec
 from workers import runners
 from workers.locktable import GpuLockTable
 from workers.runners.base import JobContext
@@ -53,12 +54,21 @@ def context(**spec: Any) -> RecordingContext:
 
 
 def test_it_finds_the_built_in_smoke_runner_and_refuses_unknown_methods() -> None:
-    assert runners.get_runner("smoke") is smoke
+    assert runners.runner_for(parse_spec({"method": "smoke"})) is smoke
     assert "smoke" in runners.available()
     with pytest.raises(runners.UnknownMethod, match="no runner for method 'nope'"):
         runners.get_runner("nope")
     with pytest.raises(ValueError, match="module:function"):
         runners.register("x", "not-a-path")
+
+
+def test_it_chooses_the_runner_by_method_and_runner() -> None:
+    from workers.runners import native, verl
+
+    rl = {"method": "rl", "env": "math", "dataset": "builtin:arith_train"}
+    assert runners.runner_for(parse_spec(rl)) is native.run
+    assert runners.runner_for(parse_spec({**rl, "method": "sft"})) is native.run
+    assert runners.runner_for(parse_spec({**rl, "runner": "verl"})) is verl.run
 
 
 def test_it_runs_the_smoke_job_step_by_step() -> None:
@@ -100,7 +110,7 @@ def placed_job(transactional_db: None, clean_control_plane: Any, team: Any, owne
 def test_it_fails_a_job_whose_method_has_no_runner(
     placed_job: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delitem(runners._registry, "smoke")
+    monkeypatch.delitem(runners._registry, ("smoke", "native"))
     job_id, lease = placed_job()
     outcome = run_job(
         job_id, attempt=1, node=lease.node, gpus=list(lease.gpus), lease_token=lease.token
@@ -117,7 +127,7 @@ def boom(ctx: JobContext) -> None:
 def test_it_fails_a_job_whose_runner_raises_and_releases_its_gpus(
     placed_job: Any, clean_control_plane: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(runners._registry, "smoke", boom)
+    monkeypatch.setitem(runners._registry, ("smoke", "native"), boom)
     job_id, lease = placed_job()
     run_job(job_id, attempt=1, node=lease.node, gpus=list(lease.gpus), lease_token=lease.token)
     job = Job.objects.get(pk=job_id)
@@ -202,7 +212,7 @@ def test_it_stores_buffered_metrics_of_a_failed_runner(
 ) -> None:
     from jobs.models import JobMetric
 
-    monkeypatch.setitem(runners._registry, "smoke", log_then_fail)
+    monkeypatch.setitem(runners._registry, ("smoke", "native"), log_then_fail)
     job_id, lease = placed_job()
     run_job(job_id, attempt=1, node=lease.node, gpus=list(lease.gpus), lease_token=lease.token)
     assert Job.objects.get(pk=job_id).state == JobState.FAILED

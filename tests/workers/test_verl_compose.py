@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from jobs.spec import parse_spec
-from workers.runners import verl
+from workers.runners import verl, verl_config
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / "var" / "verl-venv"
@@ -61,7 +61,9 @@ for ov in parser.parse_overrides(overrides):
         out["mismatches"].append([ov.key_or_group, repr(want), repr(got)])
 for key in sys.argv[1:]:
     value = OmegaConf.select(cfg, key)
-    out["values"][key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    out["values"][key] = value
 print(json.dumps(out))
 """
 
@@ -126,10 +128,10 @@ def _argv(spec_data: dict[str, Any], tmp_path: Path) -> list[str]:
 
     spec = parse_spec(spec_data)
     rows = load_rows(resolve("builtin:arith_train"), "math")[:64] if spec.dataset else None
-    data = verl.write_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
-    multi = verl._is_multi_turn(str(spec.env))
-    cfg = verl._write_agent_loop_config(tmp_path / "loops.yaml") if multi else None
-    return verl.build_overrides(
+    data = verl_config.write_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
+    multi = verl_config.is_multi_turn(str(spec.env))
+    cfg = verl.write_agent_loop_config(tmp_path / "loops.yaml") if multi else None
+    return verl_config.build_overrides(
         spec,
         model_path=tmp_path / "model dir",
         data=data,
@@ -196,7 +198,7 @@ def test_it_composes_with_verls_config(
     spec = parse_spec(spec_data)
     values = out["values"]
     # verl's own interpolations pick our values up where the trainer reads them.
-    assert values[f"{A}.rollout.response_length"] == verl.response_length(spec)
+    assert values[f"{A}.rollout.response_length"] == verl_config.response_length(spec)
     assert values[f"{A}.rollout.prompt_length"] == 256
     assert values[f"{A}.rollout.n_gpus_per_node"] == 4
     assert values[f"{A}.actor.rollout_n"] == spec.rollout.group_size

@@ -21,7 +21,7 @@ import pytest
 
 from environments.datasets import load_rows, resolve
 from jobs.spec import parse_spec
-from workers.runners import verl
+from workers.runners import verl, verl_process
 from workers.runners.base import JobContext
 
 FAKE_TRAINER = Path(__file__).with_name("fake_verl_trainer.py")
@@ -74,13 +74,13 @@ def _argv(ctx: RecordingContext, spec: Any) -> list[str]:
     rows = load_rows(resolve("builtin:arith_train"), "math")[:40]
     argv = verl.prepare(ctx, spec, model_path=Path("/models/none"), rows=rows, eval_rows=rows[:4])
     # Replace verl's entry point, keep every override.
-    entry = len(verl.entry_command())
+    entry = len(verl_process.entry_command())
     return [sys.executable, str(FAKE_TRAINER), *argv[entry:]]
 
 
-def _supervise(ctx: RecordingContext, argv: list[str], **env: str) -> verl.TrainerResult:
+def _supervise(ctx: RecordingContext, argv: list[str], **env: str) -> verl_process.TrainerResult:
     root = ctx.workdir / "verl"
-    return verl.supervise(
+    return verl_process.supervise(
         ctx,
         argv,
         env={**os.environ, **env},
@@ -194,11 +194,11 @@ def test_it_refuses_a_block_without_gpus(tmp_path: Path) -> None:
     ctx.devices, ctx.gpus = ["cpu"], []
     with pytest.raises(RuntimeError, match="needs GPUs"):
         verl.run(ctx)
-    # The worker's runner for method 'rl' hands runner 'verl' specs over.
-    from workers.runners import get_runner
+    # The one choice of runner sends (rl, verl) specs here.
+    from workers.runners import runner_for
 
     with pytest.raises(RuntimeError, match="needs GPUs"):
-        get_runner("rl")(ctx)
+        runner_for(ctx.job_spec)(ctx)
 
 
 def test_it_passes_the_block_as_cuda_visible_devices(tmp_path: Path) -> None:
@@ -210,14 +210,14 @@ def test_it_passes_the_block_as_cuda_visible_devices(tmp_path: Path) -> None:
     assert str(verl.REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
     ctx.gpus = []
     ctx.devices = ["cuda:3"]
-    assert verl.cuda_visible_devices(ctx) == "3"
+    assert verl_process.cuda_visible_devices(ctx) == "3"
 
 
 def test_it_takes_the_entry_command_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(verl.ENTRY_ENV, "/opt/verl/bin/python -m verl.trainer.main_ppo")
-    assert verl.entry_command() == ["/opt/verl/bin/python", "-m", "verl.trainer.main_ppo"]
-    monkeypatch.delenv(verl.ENTRY_ENV)
-    assert verl.entry_command()[1:] == ["-m", "verl.trainer.main_ppo"]
+    monkeypatch.setenv(verl_process.ENTRY_ENV, "/opt/verl/bin/python -m verl.trainer.main_ppo")
+    assert verl_process.entry_command() == ["/opt/verl/bin/python", "-m", "verl.trainer.main_ppo"]
+    monkeypatch.delenv(verl_process.ENTRY_ENV)
+    assert verl_process.entry_command()[1:] == ["-m", "verl.trainer.main_ppo"]
 
 
 @pytest.mark.parametrize(
@@ -247,11 +247,11 @@ def test_it_takes_the_entry_command_from_the_environment(monkeypatch: pytest.Mon
     ],
 )
 def test_it_parses_verl_console_metric_lines(line: str, expected: Any) -> None:
-    assert verl.parse_metric_line(line) == expected
+    assert verl_process.parse_metric_line(line) == expected
 
 
 def test_it_adds_the_native_runner_metric_names() -> None:
-    out = verl.with_aliases(
+    out = verl_process.with_aliases(
         {"critic/score/mean": 0.5, "actor/ppo_kl": 0.01, "val-core/math/reward/mean@1": 0.7},
         "math",
     )

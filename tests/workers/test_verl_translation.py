@@ -10,7 +10,7 @@ import pytest
 
 from environments.datasets import load_rows, resolve
 from jobs.spec import SpecError, parse_spec
-from workers.runners import verl
+from workers.runners import verl, verl_config
 from workers.runners.verl_agent_loop import AGENT_NAME, CLASS_PATH
 from workers.runners.verl_reward import compute_score
 
@@ -28,8 +28,8 @@ def _rows(n: int = 40) -> list[dict[str, Any]]:
 
 def _overrides(spec: Any, tmp_path: Path, **kw: Any) -> dict[str, str]:
     rows = None if spec.dataset is None else _rows()
-    data = verl.write_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
-    argv = verl.build_overrides(
+    data = verl_config.write_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
+    argv = verl_config.build_overrides(
         spec,
         model_path="/models/qwen",
         data=data,
@@ -78,7 +78,7 @@ def test_it_maps_a_grpo_lora_job(tmp_path: Path) -> None:
     assert o["trainer.val_before_train"] == "true"
     assert o["trainer.default_local_dir"] == str(tmp_path / "ckpt")
     assert o["trainer.logger"] == "[console]"
-    assert o["reward.custom_reward_function.path"] == str(verl.REWARD_FILE)
+    assert o["reward.custom_reward_function.path"] == str(verl_config.REWARD_FILE)
     assert o["reward.custom_reward_function.name"] == "compute_score"
     assert o["data.seed"] == "3"
     assert o[f"{A}.rollout.multi_turn.enable"] == "false"
@@ -136,7 +136,9 @@ def test_it_routes_multi_turn_envs_through_the_agent_loop(tmp_path: Path) -> Non
     assert o[f"{A}.rollout.agent.default_agent_loop"] == AGENT_NAME
     assert o[f"{A}.rollout.agent.agent_loop_config_path"] == str(cfg)
     # 6 actions of 16 tokens and the 5 observations between them.
-    assert o["data.max_response_length"] == str(6 * 16 + 5 * verl.OBSERVATION_TOKENS_PER_TURN)
+    assert o["data.max_response_length"] == str(
+        6 * 16 + 5 * verl_config.OBSERVATION_TOKENS_PER_TURN
+    )
     table = pq.read_table(tmp_path / "data" / "train.parquet").to_pylist()
     # A generator env: one row (episode seed) per prompt of every step.
     assert len(table) == 3 * 2
@@ -147,14 +149,14 @@ def test_it_routes_multi_turn_envs_through_the_agent_loop(tmp_path: Path) -> Non
 def test_it_writes_the_agent_loop_config_that_names_the_class(tmp_path: Path) -> None:
     import yaml
 
-    path = verl._write_agent_loop_config(tmp_path / "loops.yaml")
+    path = verl.write_agent_loop_config(tmp_path / "loops.yaml")
     assert yaml.safe_load(path.read_text()) == [{"name": AGENT_NAME, "_target_": CLASS_PATH}]
 
 
 def test_it_writes_parquet_in_verls_schema_and_grades_with_the_env(tmp_path: Path) -> None:
     spec = _spec(eval_examples=5)
     rows = _rows(20)
-    data = verl.write_datasets(spec, tmp_path, rows=rows, eval_rows=rows[:3])
+    data = verl_config.write_datasets(spec, tmp_path, rows=rows, eval_rows=rows[:3])
     train = pq.read_table(data.train).to_pylist()
     val = pq.read_table(data.val).to_pylist()
     assert (data.train_rows, data.val_rows) == (20, 3) and len(train) == 20 and len(val) == 3
@@ -177,7 +179,7 @@ def test_it_counts_prompt_tokens_with_the_chat_template(tmp_path: Path) -> None:
     tok = build_chatml_tokenizer()
     spec = _spec()
     rows = _rows(10)
-    data = verl.write_datasets(spec, tmp_path, rows=rows, eval_rows=None, tokenizer=tok)
+    data = verl_config.write_datasets(spec, tmp_path, rows=rows, eval_rows=None, tokenizer=tok)
     renderer = Renderer(tok)
     # The native runner's renderer, an independent count of the same rendered prompts.
     longest = max(
@@ -207,7 +209,7 @@ def test_it_refuses_runs_that_cannot_start(tmp_path: Path) -> None:
 
 
 def test_it_quotes_values_hydra_would_misread() -> None:
-    assert verl._value("/data/run 1/train.parquet") == "'/data/run 1/train.parquet'"
-    assert verl._value("it's") == "'it\\'s'"
-    assert verl._value(["a", 1, True]) == "[a,1,true]"
-    assert verl._value(None) == "null"
+    assert verl_config.hydra_value("/data/run 1/train.parquet") == "'/data/run 1/train.parquet'"
+    assert verl_config.hydra_value("it's") == "'it\\'s'"
+    assert verl_config.hydra_value(["a", 1, True]) == "[a,1,true]"
+    assert verl_config.hydra_value(None) == "null"

@@ -7,14 +7,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+from jobs.spec import JobSpec, parse_spec
 
 __all__ = ["METRICS_FLUSH_SECONDS", "JobCancelled", "JobContext", "LeaseLost"]
 
 # Longest a logged metric waits in the context's buffer while steps keep coming: the web UI
 # polls every few seconds. A step slower than this writes its metrics at once.
 METRICS_FLUSH_SECONDS = 1.0
+
+
+def _job_services() -> ModuleType:
+    # Lazy: verl's Ray workers import this package (the agent loop lives in it) without
+    # Django, and jobs.services needs Django's app registry.
+    from jobs import services
+
+    return services
 
 
 class JobCancelled(Exception):
@@ -60,6 +72,11 @@ class JobContext:
 
     # --- called by the runner -------------------------------------------------------------
 
+    @cached_property
+    def job_spec(self) -> JobSpec:
+        """``spec`` validated, once per attempt: runners read this rather than parse again."""
+        return parse_spec(self.spec)
+
     def cancelled(self) -> bool:
         """True when the runner must stop now: a cancel was requested or the lease was lost."""
         if self._lost.is_set():
@@ -72,9 +89,9 @@ class JobContext:
 
     def heartbeat(self, step: int | None = None, *, force: bool = False) -> None:
         """Record progress; written to the job row at most every ``heartbeat_interval``."""
-        from jobs import services
-        from jobs.models import Job
+        from jobs.models import Job  # lazy for the reason given at _job_services
 
+        services = _job_services()
         now = time.monotonic()
         if not force and now - self._last_heartbeat < self.heartbeat_interval:
             return
@@ -86,8 +103,7 @@ class JobContext:
         self._db_cancel = bool(Job.objects.filter(pk=self.job_id, cancel_requested=True).exists())
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        from jobs import services
-
+        services = _job_services()
         # Checked now, so a bad value fails the step that produced it.
         self._pending_metrics.append((step, services.check_metrics(step, metrics)))
         if time.monotonic() - self._last_flush >= self.metrics_flush_interval:
@@ -95,8 +111,7 @@ class JobContext:
 
     def flush_metrics(self) -> None:
         """Write the buffered metrics now (one transaction)."""
-        from jobs import services
-
+        services = _job_services()
         self._last_flush = time.monotonic()
         if not self._pending_metrics:
             return
@@ -107,16 +122,13 @@ class JobContext:
     def discard_metrics_after(self, step: int) -> None:
         """Forget the metrics of steps after ``step``, written or buffered: a run resumed from
         the checkpoint of ``step`` logs them again."""
-        from jobs import services
-
+        services = _job_services()
         self._pending_metrics = [(s, m) for s, m in self._pending_metrics if s <= step]
         if services.discard_metrics_after(self.job_id, step, attempt=self.attempt) is None:
             self.lose_lease()
 
     def event(self, message: str, data: Mapping[str, Any] | None = None) -> None:
-        from jobs import services
-
-        services.add_event(self.job_id, "log", message, data)
+        _job_services().add_event(self.job_id, "log", message, data)
 
     # --- called by the task ---------------------------------------------------------------
 

@@ -23,6 +23,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from environments.registry import build_group
+from environments.renderer import Renderer
+from environments.rollouts import EpisodeRecorder, PolicyOutput
+
 AGENT_NAME = "opentinker_env"
 CLASS_NAME = "OpenTinkerEnvAgentLoop"
 CLASS_PATH = f"{__name__}.{CLASS_NAME}"
@@ -62,10 +66,6 @@ async def play_episode(
     episode ends unfinished and keeps the rewards it earned so far. ``max_tokens`` caps each
     action on top of the env's own stop condition (the JobSpec's ``rollout.max_tokens``).
     """
-    from environments.registry import build_group
-    from environments.renderer import Renderer
-    from environments.rollouts import EpisodeRecorder, PolicyOutput
-
     if max_turns < 1 or response_length < 1:
         raise ValueError("max_turns and response_length must be >= 1")
     builder = build_group({**group_spec, "group_size": 1})
@@ -76,7 +76,7 @@ async def play_episode(
     try:
         try:
             messages, stop = episode.initial_observation()
-        except Exception as exc:  # noqa: BLE001 - an env crash is a value, as in run_episode
+        except Exception as exc:  # an env crash is a value, as in run_episode
             rec.fail(f"initial_observation failed: {type(exc).__name__}: {exc}")
         else:
             rec.begin(messages, stop)
@@ -98,7 +98,7 @@ async def play_episode(
                 try:
                     # Env steps may block (code sandbox, opponent): keep the event loop free.
                     result = await loop.run_in_executor(None, episode.step, action)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # an env crash is a value
                     rec.fail(f"step failed: {type(exc).__name__}: {exc}", "env_exception")
                     break
                 rec.record(result)

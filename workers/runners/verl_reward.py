@@ -16,6 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from environments.grading import answers_match, extract_answer
+from environments.registry import build_group, get_env
+from environments.types import Interaction
+
 
 def compute_score(
     data_source: str,
@@ -27,8 +31,6 @@ def compute_score(
     spec_json = (extra_info or {}).get("group_spec")
     if spec_json:
         return episode_reward(json.loads(spec_json), solution_str)
-    from environments.grading import answers_match, extract_answer
-
     if ground_truth is None:
         raise ValueError(
             f"row of data source {data_source!r} has neither extra_info.group_spec nor a "
@@ -39,9 +41,6 @@ def compute_score(
 
 def episode_reward(group_spec: dict[str, Any], action: str) -> float:
     """Reward of one single-turn episode of ``group_spec`` answered with ``action``."""
-    from environments.registry import build_group, get_env
-    from environments.types import Interaction
-
     env = get_env(str(group_spec.get("env")))
     if env.interaction is not Interaction.SINGLE_TURN:
         # Multi-turn episodes are scored by the agent loop (workers.runners.verl_agent_loop),

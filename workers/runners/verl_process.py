@@ -1,0 +1,268 @@
+"""verl's trainer as a supervised subprocess: its console metrics, checkpoints and stop.
+
+verl's trainer runs in its own process group (``supervise``): its console metric lines
+(``step:N - key:value - ...``) become job metrics, the ``global_step_N`` checkpoints it saves
+become job events and lines of ``checkpoints/checkpoints.jsonl``, and a cancel or a lost lease
+ends the whole process tree (SIGTERM, then SIGKILL to the group).
+
+The entry command is ``python -m verl.trainer.main_ppo`` with the worker's interpreter, or the
+``OPENTINKER_VERL_COMMAND`` environment variable (a shell-style command line): tests point it
+at a stand-in script, a GPU worker can point it at a separate verl virtualenv.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers.processes import group_alive, stop_process_group
+from workers.runners.base import JobContext
+
+ENTRY_ENV = "OPENTINKER_VERL_COMMAND"
+CHECKPOINT_INDEX = "checkpoints.jsonl"
+TERM_GRACE_S = 10.0
+
+_METRIC_LINE = re.compile(r"(?:^|[\s)])step:(\d+) - (.*)$")
+# verl prints values with pprint: numpy scalars show as "np.float64(0.5)".
+_WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# verl metric -> the name the native runner logs, so both runners chart the same series.
+ALIASES = {
+    "critic/score/mean": "reward/mean",
+    "actor/pg_loss": "loss",
+    "actor/kl_loss": "kl",
+    "actor/entropy": "entropy",
+    "perf/throughput": "tokens_per_s",
+    "timing_s/step": "step_time_s",
+}
+
+
+def parse_metric_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """``(step, metrics)`` of one of verl's console logger lines, else None.
+
+    Ray prefixes worker output (``(TaskRunner pid=7) step:3 - ...``); values that are not
+    finite numbers are dropped (the job's metric table refuses them).
+    """
+    match = _METRIC_LINE.search(line.rstrip("\r\n"))
+    if match is None:
+        return None
+    metrics: dict[str, float] = {}
+    for part in match.group(2).split(" - "):
+        key, sep, raw = part.rpartition(":")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not key or len(key) > 100:
+            continue
+        wrapped = _WRAPPED.match(raw)
+        if wrapped:
+            raw = wrapped.group(1)
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            metrics[key] = value
+    return int(match.group(1)), metrics
+
+
+def with_aliases(metrics: Mapping[str, float], env_name: str = "") -> dict[str, float]:
+    """verl's metrics plus the native runner's names for the same quantities."""
+    out = dict(metrics)
+    for theirs, ours in ALIASES.items():
+        if theirs in metrics and ours not in out:
+            out[ours] = metrics[theirs]
+    if "kl" not in out and "actor/ppo_kl" in metrics:
+        out["kl"] = metrics["actor/ppo_kl"]
+    # Validation: verl names it val-core/<data_source>/<reward key>/mean@<n>.
+    prefix = f"val-core/{env_name}/" if env_name else "val-core/"
+    for key in sorted(metrics):
+        if key.startswith(prefix) and "/mean@" in key and "eval/reward" not in out:
+            out["eval/reward"] = metrics[key]
+    return out
+
+
+def entry_command() -> list[str]:
+    configured = os.environ.get(ENTRY_ENV, "").strip()
+    if configured:
+        return shlex.split(configured)
+    return [sys.executable, "-m", "verl.trainer.main_ppo"]
+
+
+def cuda_visible_devices(ctx: JobContext) -> str:
+    """The block's GPU indices, from ``ctx.gpus`` or the ``cuda:i`` devices."""
+    indices = list(ctx.gpus) or [
+        int(d.split(":", 1)[1]) for d in ctx.devices if d.startswith("cuda:")
+    ]
+    return ",".join(str(i) for i in indices)
+
+
+@dataclass
+class TrainerResult:
+    returncode: int | None
+    """Exit status; None when we stopped it."""
+    stopped: bool
+    last_step: int
+    checkpoints: list[int] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)
+
+
+def saved_steps(checkpoint_dir: Path) -> list[int]:
+    """Steps whose checkpoint verl finished writing.
+
+    verl writes ``latest_checkpointed_iteration.txt`` after a save completes, so a
+    ``global_step_N`` directory counts once N is at most the step named there.
+    """
+    marker = checkpoint_dir / "latest_checkpointed_iteration.txt"
+    try:
+        latest = int(marker.read_text().strip())
+    except (OSError, ValueError):
+        return []
+    steps = []
+    for child in checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else []:
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and int(match.group(1)) <= latest:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def registered_steps(ctx: JobContext) -> set[int]:
+    """Steps an earlier attempt of this job already put in the checkpoint index."""
+    index = ctx.workdir / "checkpoints" / CHECKPOINT_INDEX
+    steps: set[int] = set()
+    if not index.is_file():
+        return steps
+    for line in index.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        extra = record.get("extra") or {}
+        if extra.get("runner") == "verl":
+            steps.add(int(extra.get("step", 0)))
+    return steps
+
+
+def register_checkpoint(ctx: JobContext, checkpoint_dir: Path, step: int) -> None:
+    name = f"global_step_{step}"
+    record = {
+        "name": name,
+        "step": step,
+        "created": time.time(),
+        "extra": {
+            "step": step,
+            "attempt": ctx.attempt,
+            "runner": "verl",
+            "path": str(checkpoint_dir / name),
+        },
+    }
+    index = ctx.workdir / "checkpoints" / CHECKPOINT_INDEX
+    index.parent.mkdir(parents=True, exist_ok=True)
+    with index.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+    ctx.event(f"verl saved checkpoint {name}", record["extra"])
+
+
+def supervise(
+    ctx: JobContext,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    checkpoint_dir: Path,
+    log_path: Path,
+    env_name: str = "",
+    term_grace_s: float = TERM_GRACE_S,
+    poll_s: float = 0.2,
+    tail_lines: int = 40,
+) -> TrainerResult:
+    """Run the trainer to the end, or until ``ctx.cancelled()``; stream what it prints.
+
+    Every output line goes to ``log_path``; metric lines go to ``ctx.log_metrics``; each
+    step heartbeats; each finished checkpoint is registered once (also across requeues: the
+    index already lists what an earlier attempt registered).
+    """
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        # Its own process group: a cancel signals every process the trainer started.
+        start_new_session=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, name=f"verl-{ctx.job_id}-stdout", daemon=True)
+    reader.start()
+    known = registered_steps(ctx)
+    result = TrainerResult(returncode=None, stopped=False, last_step=0)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    eof = False
+    try:
+        with log_path.open("a", encoding="utf-8") as log:
+            while not eof:
+                if ctx.cancelled():
+                    result.stopped = True
+                    stop_process_group(proc, term_grace_s)
+                    break
+                try:
+                    line = lines.get(timeout=poll_s)
+                except queue.Empty:
+                    line = ""
+                while line is not None:
+                    if line:
+                        log.write(line)
+                        result.tail = [*result.tail[-(tail_lines - 1) :], line.rstrip("\n")]
+                        parsed = parse_metric_line(line)
+                        if parsed is not None:
+                            step, metrics = parsed
+                            result.last_step = max(result.last_step, step)
+                            if metrics:
+                                ctx.log_metrics(step, with_aliases(metrics, env_name))
+                            ctx.heartbeat(step)
+                    try:
+                        line = lines.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    eof = True
+                log.flush()
+                for step in saved_steps(checkpoint_dir):
+                    if step not in known:
+                        # verl resumes after this step: its metrics must be stored first.
+                        ctx.flush_metrics()
+                        known.add(step)
+                        result.checkpoints.append(step)
+                        register_checkpoint(ctx, checkpoint_dir, step)
+                ctx.heartbeat(result.last_step)
+        if not result.stopped:
+            result.returncode = proc.wait()
+            # The leader exited; anything it left behind in its group goes too.
+            if group_alive(proc.pid):
+                stop_process_group(proc, term_grace_s)
+    except BaseException:
+        stop_process_group(proc, term_grace_s)
+        raise
+    finally:
+        reader.join(timeout=5)
+    return result
