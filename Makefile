@@ -63,7 +63,7 @@ bench: install
 # architecture contracts (import-linter, pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy --config-file mypy.ini
+	$(VENV)/bin/mypy --config-file mypy.ini training client/opentinker
 	PYTHONPATH=client $(VENV)/bin/lint-imports --no-cache
 
 clean:

@@ -177,7 +177,7 @@ def _namespace_init(cfg: dict, alive_r: int, report_w: int) -> None:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
             _exec_python(cfg, "/sandbox")
-        except BaseException as exc:  # noqa: BLE001 - reported as a setup failure
+        except BaseException as exc:
             os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
             os._exit(125)
     # Reap everything (orphans of the code are re-parented here) until the code process exits;
@@ -235,7 +235,7 @@ def main() -> None:
             os.close(status_fd)
             _namespace_init(cfg, alive_r, report_w)
             os._exit(0)
-        except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
+        except BaseException as exc:
             _report(report_w, {"setup_error": f"{type(exc).__name__}: {exc}"[:2000]})
             os._exit(125)
     os.close(report_w)

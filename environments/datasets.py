@@ -106,7 +106,7 @@ def iter_rows(
 
         try:
             table = pq.ParquetFile(path)
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
+        except Exception as exc:
             yield 0, RowError(0, None, f"not a readable Parquet file: {exc}")
             return
         number = 0

@@ -27,6 +27,7 @@ from environments.rollouts import (
     PolicyFn,
     apply_group_rewards,
 )
+from environments.tasks import ENV_QUEUE, close_group, start_group, step_group
 from environments.types import Message, StepResult, StopCondition, Trajectory
 
 # How long one env task may take, queueing included, before the trainer gives up on it.
@@ -55,7 +56,6 @@ def _reply(result: Any, timeout: float) -> dict[str, Any]:
 
 
 def _call(task: Any, args: list[Any], timeout: float) -> dict[str, Any]:
-    from environments.tasks import ENV_QUEUE
 
     return _reply(task.apply_async(args=args, queue=ENV_QUEUE), timeout)
 
@@ -92,7 +92,7 @@ class RemoteGroups:
         for result in results:
             try:
                 replies.append(_reply(result, self.timeout))
-            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+            except Exception as exc:
                 replies.append({})
                 error = error or exc
         for reply in replies:
@@ -104,7 +104,6 @@ class RemoteGroups:
         return replies
 
     def start(self) -> list[list[Observation | str]]:
-        from environments.tasks import ENV_QUEUE, start_group
 
         if self.sessions:
             raise RuntimeError("these groups were started already")
@@ -122,7 +121,6 @@ class RemoteGroups:
         ]
 
     def step(self, actions: Sequence[Sequence[str | None]]) -> list[list[StepResult | str | None]]:
-        from environments.tasks import ENV_QUEUE, step_group
 
         if len(actions) != len(self.sessions):
             raise ValueError(f"{len(actions)} action lists for {len(self.sessions)} groups")
@@ -146,7 +144,6 @@ class RemoteGroups:
         return out
 
     def close(self) -> None:
-        from environments.tasks import ENV_QUEUE, close_group
 
         # An env worker drops a session itself once all its episodes are done.
         for session, live in zip(self.sessions, self._live, strict=True):
@@ -163,7 +160,6 @@ def run_group_remote(
     timeout: float = 60.0,
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> list[Trajectory]:
-    from environments.tasks import ENV_QUEUE, close_group, start_group, step_group
 
     # Built locally too: the group rewards are computed where the trajectories are.
     builder = build_group(group_spec)

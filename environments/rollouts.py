@@ -180,7 +180,7 @@ def run_episode(
     try:
         try:
             messages, stop = episode.initial_observation()
-        except Exception as exc:  # noqa: BLE001 - an env crash is a value for the caller
+        except Exception as exc:
             rec.fail(f"initial_observation failed: {type(exc).__name__}: {exc}")
             return rec.trajectory
         rec.begin(messages, stop)
@@ -188,7 +188,7 @@ def run_episode(
             action = rec.take_action(policy_fn(rec.policy_input()))
             try:
                 result = episode.step(action)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 rec.fail(
                     f"step failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}",
                     turn_error="env_exception",

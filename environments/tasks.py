@@ -72,7 +72,7 @@ def start_group(group_spec: dict[str, Any]) -> dict[str, Any]:
         try:
             messages, stop = episode.initial_observation()
             observations.append({"messages": list(messages), "stop": asdict(stop)})
-        except Exception as exc:  # noqa: BLE001 - travels back as a value
+        except Exception as exc:
             observations.append({"exception": f"{type(exc).__name__}: {exc}"})
     session = uuid.uuid4().hex
     _save(_redis(), session, episodes)
@@ -100,7 +100,7 @@ def step_group(session: str, actions: list[str | None]) -> dict[str, Any]:
             continue
         try:
             results.append(step_result_json(episode.step(action)))
-        except Exception as exc:  # noqa: BLE001 - travels back as a value
+        except Exception as exc:
             # A crashed episode is over; later turns skip it.
             episode.end()
             results.append({"exception": f"{type(exc).__name__}: {exc}"})

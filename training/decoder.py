@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,40 @@ if TYPE_CHECKING:
 
 # Architectures whose decoder layer FusedDecoder reproduces exactly.
 _FUSED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+# The model's config and submodules are reached through nn.Module's dynamic attributes, which
+# type as Tensor | Module; they are annotated Any where the code relies on the Hugging Face
+# structure (FusedDecoder.supports checks it).
+
+State = TypeVar("State")
+
+
+class Decoder(Protocol[State]):
+    """The three calls `generate` drives; `State` is the backend's own per-call cache."""
+
+    def prefill(
+        self,
+        input_ids_B_L: torch.Tensor,
+        mask_B_L: torch.Tensor,
+        positions_B_L: torch.Tensor,
+        keys_B: Sequence[str | None],
+        capacity: int,
+    ) -> tuple[torch.Tensor, State]: ...
+
+    def step(
+        self,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        keys_B: Sequence[str | None],
+        state: State,
+    ) -> torch.Tensor: ...
+
+    def select(self, state: State, index_B: torch.Tensor) -> None: ...
+
+
+class _RMSNorm(Protocol):
+    weight: torch.Tensor
+    variance_epsilon: float
 
 
 def _route(host: LoRAHost | None, keys: Sequence[str | None]) -> AbstractContextManager[None]:
@@ -58,7 +92,8 @@ class HFDecoder:
         keys_B: Sequence[str | None],
         capacity: int,
     ) -> tuple[torch.Tensor, _HFState]:
-        cache = DynamicCache(config=self.model.config)
+        config: Any = self.model.config
+        cache = DynamicCache(config=config)
         with _route(self.host, keys_B):
             out = self.model(
                 input_ids=input_ids_B_L,
@@ -128,7 +163,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms_norm(norm: _RMSNorm, x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32:
         # One fused kernel; the same arithmetic as the module in float32.
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
@@ -145,9 +180,10 @@ class FusedDecoder:
     def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
         self.model = model
         self.host = host
-        config = model.config
-        self.inner = model.model
-        self.layers = list(self.inner.layers)
+        config: Any = model.config
+        inner: Any = model.model
+        self.inner = inner
+        self.layers: list[Any] = list(inner.layers)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(
@@ -169,7 +205,7 @@ class FusedDecoder:
             return False
         if model.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
             return False
-        inner = getattr(model, "model", None)
+        inner: Any = getattr(model, "model", None)
         if inner is None or not all(
             hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
         ):
@@ -343,7 +379,7 @@ class FusedDecoder:
     # -- pieces -----------------------------------------------------------------------------
 
     @staticmethod
-    def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(layer: Any, x: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         h = _rms_norm(layer.post_attention_layernorm, x)
         hidden = mlp.act_fn(mlp.gate_proj(h))
@@ -352,10 +388,11 @@ class FusedDecoder:
         return mlp.down_proj(hidden)
 
     def _logits(self, x_B_1_H: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_rms_norm(self.inner.norm, x_B_1_H))[:, -1, :]
+        lm_head: Any = self.model.lm_head
+        return lm_head(_rms_norm(self.inner.norm, x_B_1_H))[:, -1, :]
 
 
-def decoder_for(model: nn.Module, host: LoRAHost | None = None) -> FusedDecoder | HFDecoder:
+def decoder_for(model: nn.Module, host: LoRAHost | None = None) -> Decoder[Any]:
     """The fastest exact backend for `model`; `host` routes rows to LoRA adapters."""
     if FusedDecoder.supports(model):
         return FusedDecoder(model, host)

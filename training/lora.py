@@ -208,10 +208,11 @@ class MultiLoRALinear(nn.Module):
         kept = self._state.kept_stack(self.name, stacked.keys)
         if kept is None:
             entries = [self.adapters.get(key) for key in stacked.keys]
-            if any(e is None for e in entries):
+            present = [e for e in entries if e is not None]
+            if len(present) < len(entries):
                 return None
-            a_list = [e[0] for e in entries]  # type: ignore[index]
-            b_list = [e[1] for e in entries]  # type: ignore[index]
+            a_list = [e[0] for e in present]
+            b_list = [e[1] for e in present]
             rank = a_list[0].shape[0]
             if any(a.shape[0] != rank or a.dtype != dtype for a in a_list):
                 # Mixed ranks or dtypes: the per-adapter loop handles them.
@@ -303,6 +304,8 @@ class LoRAHost:
             module = model.get_submodule(name)
             if isinstance(module, MultiLoRALinear):
                 raise TypeError(f"{name} is already wrapped by another LoRAHost")
+            # resolve_target_modules selects Linear and MultiLoRALinear layers only.
+            assert isinstance(module, nn.Linear)
             wrapped = MultiLoRALinear(module, name, self._state)
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

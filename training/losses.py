@@ -37,7 +37,9 @@ LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
 LossFn = Callable[[LossBatch, Mapping[str, float]], LossResult]
 
 
-def _config(config: Mapping[str, float] | None, loss: str, defaults: dict[str, float]) -> dict:
+def _config(
+    config: Mapping[str, float] | None, loss: str, defaults: dict[str, float]
+) -> dict[str, float]:
     config = dict(config or {})
     unknown = set(config) - set(defaults)
     if unknown:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE_MODEL = str(REPO_ROOT / "models" / "tiny-chat")
@@ -75,7 +79,7 @@ def _hub_off() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
-def load_tokenizer(path: str | os.PathLike[str] | None = None):
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of a base model; pad falls back to eos so batched padding always works."""
     _hub_off()
     from transformers import AutoTokenizer
@@ -91,7 +95,7 @@ def load_base(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) from a local directory or alias; the model is in eval mode.
 
     `device` defaults to CUDA when available; `dtype` to bf16 on capable GPUs, else float32.
@@ -105,7 +109,9 @@ def load_base(
     model = AutoModelForCausalLM.from_pretrained(
         str(base), local_files_only=True, dtype=torch_dtype
     )
-    model.to(target)
+    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub type
+    # takes the module as its first argument.
+    model.to(target)  # type: ignore[arg-type]
     model.eval()
     tokenizer = load_tokenizer(base)
     return model, tokenizer

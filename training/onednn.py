@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 # id(weight) -> (weak reference to the weight, its version when packed, packed weight)
-_packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from training.lora import MultiLoRALinear
 from training.losses import LOSSES, LossBatch, LossFn, get_loss
 from training.policy import Policy
 from training.types import AdamParams, Datum, FwdBwdResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _policies_per_row(policy: Policy | Sequence[Policy], datums: Sequence[Datum]) -> list[Policy]:
@@ -82,7 +86,7 @@ def _target_logprobs(
 ) -> torch.Tensor:
     """(B, T) log p(target | prefix), each row under its own policy; 0 on padding."""
     lora_rows = [i for i, p in enumerate(policies) if not p.is_full_finetune]
-    groups: list[tuple[list[int], nn.Module, object]] = []
+    groups: list[tuple[list[int], nn.Module, AbstractContextManager[None]]] = []
     if lora_rows:
         host = policies[lora_rows[0]].host
         keys = [policies[i].adapter_key for i in lora_rows]
@@ -98,13 +102,13 @@ def _target_logprobs(
 
     if len(groups) == 1:
         _, model, ctx = groups[0]
-        with ctx:  # type: ignore[attr-defined]
+        with ctx:
             return _logprobs_of(model, input_ids, targets, valid, loss_mask)
     parts = []
     for rows, model, ctx in groups:
         index = torch.tensor(rows, device=input_ids.device)
         sub_mask = None if loss_mask is None else loss_mask[index]
-        with ctx:  # type: ignore[attr-defined]
+        with ctx:
             lp = _logprobs_of(model, input_ids[index], targets[index], valid[index], sub_mask)
         parts.append((index, lp))
     index = torch.cat([i for i, _ in parts])
@@ -118,12 +122,14 @@ def _target_logprobs(
 _HEAD_CHUNK_ELEMENTS = 1 << 26
 
 
+# The autograd Functions type `ctx` as Any, as torch's own signatures do: FunctionCtx declares
+# neither saved_tensors nor needs_input_grad, nor the attributes stored on it here.
 class _ChunkedTargetLogprob(torch.autograd.Function):
     """log_softmax(h @ W^T + b)[target], computed chunk by chunk without saving the logits."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         hidden_N_H: torch.Tensor,
         weight_V_H: torch.Tensor,
         bias_V: torch.Tensor | None,
@@ -137,15 +143,13 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             picked = logits.gather(1, targets_N[start:stop, None])[:, 0]
             out[start:stop] = picked - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N)
-        ctx.chunk = chunk  # type: ignore[attr-defined]
+        ctx.chunk = chunk
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_N: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        hidden_N_H, weight_V_H, bias_V, targets_N = ctx.saved_tensors  # type: ignore[attr-defined]
-        chunk = ctx.chunk  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden_N_H, weight_V_H, bias_V, targets_N = ctx.saved_tensors
+        chunk = ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden_N_H) if need_h else None
         grad_w = torch.zeros_like(weight_V_H, dtype=torch.float32) if need_w else None
@@ -178,8 +182,8 @@ class _ChunkedLoRAHeadLogprob(torch.autograd.Function):
     head with a LoRA adapter (LoRA on the unembedding), without saving the logits."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         hidden_N_H: torch.Tensor,
         weight_V_H: torch.Tensor,
         bias_V: torch.Tensor | None,
@@ -196,16 +200,14 @@ class _ChunkedLoRAHeadLogprob(torch.autograd.Function):
             picked = logits.gather(1, targets_N[start : start + chunk, None])[:, 0]
             out[start : start + chunk] = picked - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, a_R_H, b_V_R, targets_N)
-        ctx.scaling, ctx.chunk = scaling, chunk  # type: ignore[attr-defined]
+        ctx.scaling, ctx.chunk = scaling, chunk
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_N: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
         hidden_N_H, weight_V_H, bias_V, a_R_H, b_V_R, targets_N = saved
-        scaling, chunk = ctx.scaling, ctx.chunk  # type: ignore[attr-defined]
+        scaling, chunk = ctx.scaling, ctx.chunk
         need_h, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         grad_h = torch.zeros_like(hidden_N_H) if need_h else None
         grad_w = torch.zeros_like(weight_V_H, dtype=torch.float32) if need_w else None
@@ -355,10 +357,12 @@ def _logprobs_of(
             nn.Identity(), logits.reshape(batch * length, -1), targets.reshape(-1)
         )
         return flat.view(batch, length) * valid
-    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    # The plain-head model types are transformers models.
+    hf_model = cast("PreTrainedModel", model)
+    hidden = hf_model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
     hidden_N_H = hidden.reshape(batch * length, -1)
     targets_N = targets.reshape(-1)
-    head = model.get_output_embeddings()
+    head = hf_model.get_output_embeddings()
     # The batch row of every flattened position, for a head with per-row LoRA adapters.
     rows_N = torch.arange(batch, device=targets.device).repeat_interleave(length)
     out = torch.zeros(batch * length, device=targets.device)
@@ -390,7 +394,9 @@ def _run(
 ) -> FwdBwdResult:
     policies = _policies_per_row(policy, datums)
     fn = get_loss(loss_fn) if loss_fn is not None else None
-    device = policies[0].host.model.get_input_embeddings().weight.device
+    # A transformers model: its embedding accessor is invisible to nn.Module's typing.
+    base_model: Any = policies[0].host.model
+    device = base_model.get_input_embeddings().weight.device
     input_ids, targets, inputs, valid = _collate(datums, device)
     grad = torch.enable_grad() if backward else torch.no_grad()
     mask = valid * inputs["mask"] if "mask" in inputs else valid
@@ -476,15 +482,15 @@ def optim_steps(policies: Sequence[Policy], adams: Sequence[AdamParams]) -> list
         raise ValueError("a policy appears twice in one optim_steps call")
     for policy in policies:
         policy._check_open()
-    params_P = [[p for p in policy.parameters() if p.grad is not None] for policy in policies]
-    norms = _grad_norms(params_P)
+    grads_P = [[p.grad for p in policy.parameters() if p.grad is not None] for policy in policies]
+    norms = _grad_norms(grads_P)
     skipped = [not math.isfinite(n) for n in norms]
-    for params, adam, norm in zip(params_P, adams, norms, strict=True):
+    for grads, adam, norm in zip(grads_P, adams, norms, strict=True):
         clip = adam.grad_clip_norm
-        if params and clip is not None and clip > 0 and math.isfinite(norm):
+        if grads and clip is not None and clip > 0 and math.isfinite(norm):
             # As clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
-            torch._foreach_mul_([p.grad for p in params], min(1.0, clip / (norm + 1e-6)))
-    updates: dict[tuple, list[tuple[torch.optim.Optimizer, dict]]] = {}
+            torch._foreach_mul_(grads, min(1.0, clip / (norm + 1e-6)))
+    updates: dict[tuple[Any, ...], list[tuple[torch.optim.Adam, dict[str, Any]]]] = {}
     for policy, adam, skip in zip(policies, adams, skipped, strict=True):
         if skip:
             continue
@@ -522,23 +528,23 @@ def optim_steps(policies: Sequence[Policy], adams: Sequence[AdamParams]) -> list
     return out
 
 
-def _grad_norms(params_P: list[list[torch.Tensor]]) -> list[float]:
-    """The global L2 gradient norm of each parameter list (0.0 for an empty one)."""
-    grads = [p.grad for params in params_P for p in params]
-    if not grads:
-        return [0.0] * len(params_P)
-    per_tensor = torch.stack([n.float() for n in torch._foreach_norm(grads)])  # (N,)
+def _grad_norms(grads_P: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+    """The global L2 norm of each list of gradients (0.0 for an empty one)."""
+    flat = [g for grads in grads_P for g in grads]
+    if not flat:
+        return [0.0] * len(grads_P)
+    per_tensor = torch.stack([n.float() for n in torch._foreach_norm(flat)])  # (N,)
     totals = []
     start = 0
-    for params in params_P:
-        stop = start + len(params)
+    for grads in grads_P:
+        stop = start + len(grads)
         totals.append(torch.linalg.vector_norm(per_tensor[start:stop]))
         start = stop
     return [float(x) for x in torch.stack(totals).cpu().tolist()]
 
 
 @torch.no_grad()
-def _adam_update(members: list[tuple[torch.optim.Optimizer, dict]]) -> None:
+def _adam_update(members: list[tuple[torch.optim.Adam, dict[str, Any]]]) -> None:
     """One Adam(W) update over the param groups of several optimizers that share every
     hyperparameter, through each optimizer's own state (what `Adam.step` does per group)."""
     from torch.optim.adam import adam
@@ -552,7 +558,7 @@ def _adam_update(members: list[tuple[torch.optim.Optimizer, dict]]) -> None:
     has_complex = False
     for optimizer, group in members:
         # Adam's own lazy state initialisation, so the state matches what step() writes.
-        has_complex |= optimizer._init_group(  # type: ignore[attr-defined]
+        has_complex |= optimizer._init_group(
             group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         )
     if not params:

@@ -18,12 +18,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from training.lora import ALL_LINEAR, LoRAHost, resolve_target_modules, unwrap_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CHECKPOINT_FORMAT = 1
 
@@ -311,7 +314,8 @@ class Policy:
         out.mkdir(parents=True, exist_ok=True)
         peft_config = LoraConfig(
             r=self.config.rank,
-            lora_alpha=self.config.alpha,
+            # peft annotates lora_alpha as int, yet only divides it by r: a float alpha is kept.
+            lora_alpha=self.config.alpha,  # type: ignore[arg-type]
             target_modules=self.peft_target_modules(),
             lora_dropout=0.0,
             bias="none",
@@ -332,7 +336,8 @@ class Policy:
 
     def export_full(self, version: int, out_dir: str | os.PathLike[str]) -> Path:
         """Write a full fine-tuning version in Hugging Face format (config + safetensors)."""
-        model = self.version_model(version)
+        # A copy of the engine's base model, which load_base builds with transformers.
+        model = cast("PreTrainedModel", self.version_model(version))
         out = Path(out_dir)
         model.save_pretrained(str(out))
         return out

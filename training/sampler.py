@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from training.decoder import decoder_for
-from training.types import SampledSequence, SamplingParams
+from training.types import SampledSequence, SamplingParams, StopReason
 
 if TYPE_CHECKING:
     from training.lora import LoRAHost
@@ -259,7 +259,7 @@ def generate(
     out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
     out_topk: list[list[list[tuple[int, float]]]] = [[] for _ in range(n_rows)]
     max_topk = min(max(topk_rows), vocab)
-    reasons: list[str] = ["length"] * n_rows
+    reasons: list[StopReason] = ["length"] * n_rows
     active = list(range(n_rows))  # original row index of each batch row
 
     decoder = decoder_for(model, host)
@@ -319,7 +319,7 @@ def generate(
         SampledSequence(
             tokens=out_tokens[i],
             logprobs=out_logprobs[i],
-            stop_reason=reasons[i],  # type: ignore[arg-type]
+            stop_reason=reasons[i],
             topk_logprobs=out_topk[i] if topk_rows[i] else None,
         )
         for i in range(n_rows)
@@ -346,7 +346,7 @@ def sample(engine: Any, requests: Sequence[SampleRequest]) -> list[list[SampledS
         model, key = _resolve(engine, request.policy_id, request.version)
         entry = batches.setdefault(id(model), (model, []))
         entry[1].extend((r, j, key) for j in range(request.n))
-    results: list[list[SampledSequence | None]] = [[None] * rq.n for rq in requests]
+    results: dict[tuple[int, int], SampledSequence] = {}
     host = getattr(engine, "host", None)
     for model, rows in batches.values():
         seqs = generate(
@@ -359,8 +359,8 @@ def sample(engine: Any, requests: Sequence[SampleRequest]) -> list[list[SampledS
             sample_indices=[j for _, j, _ in rows],
         )
         for (r, j, _), seq in zip(rows, seqs):
-            results[r][j] = seq
-    return results  # type: ignore[return-value]
+            results[r, j] = seq
+    return [[results[r, j] for j in range(rq.n)] for r, rq in enumerate(requests)]
 
 
 def _parse_adapter(adapter: str | tuple[str, int | None] | None) -> tuple[str | None, int | None]:
@@ -371,8 +371,8 @@ def _parse_adapter(adapter: str | tuple[str, int | None] | None) -> tuple[str | 
         return policy_id, version
     if "@" in adapter:
         # A host snapshot key "policy@version".
-        policy_id, _, version = adapter.rpartition("@")
-        return policy_id, int(version)
+        policy_id, _, suffix = adapter.rpartition("@")
+        return policy_id, int(suffix)
     return adapter, None
 
 

@@ -17,11 +17,15 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.model import resolve_base_path
 from training.sampler import SampleRequest, default_stop_ids
-from training.types import SampledSequence, SamplingParams
+from training.types import SampledSequence, SamplingParams, StopReason
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams as VllmParams
+    from vllm.lora.request import LoRARequest
 
 
 class VLLMUnavailable(RuntimeError):
@@ -84,7 +88,7 @@ class VLLMSampler:
         )
         self._stop_ids = default_stop_ids(engine.model, engine.tokenizer)
 
-    def _lora_request(self, policy_id: str | None, version: int | None):
+    def _lora_request(self, policy_id: str | None, version: int | None) -> LoRARequest | None:
         from vllm.lora.request import LoRARequest
 
         if policy_id is None:
@@ -112,7 +116,7 @@ class VLLMSampler:
         # Same name and id for every version of a policy: vLLM swaps the weights in place.
         return LoRARequest(policy_id, slot.lora_int_id, str(slot.path), load_inplace=True)
 
-    def _params(self, params: SamplingParams, sample_index: int):
+    def _params(self, params: SamplingParams, sample_index: int) -> VllmParams:
         from vllm import SamplingParams as VllmParams
 
         seed = None if params.seed is None else params.seed * 1_000_003 + sample_index
@@ -140,13 +144,13 @@ class VLLMSampler:
                 loras.append(lora)
                 owners.append((r, j))
         outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        results: list[list[SampledSequence | None]] = [[None] * rq.n for rq in requests]
+        results: dict[tuple[int, int], SampledSequence] = {}
         for (r, j), output in zip(owners, outputs):
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             logprobs = [
                 float(step[token].logprob) for step, token in zip(completion.logprobs or [], tokens)
             ]
-            reason = "length" if completion.finish_reason == "length" else "stop"
-            results[r][j] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)
-        return results  # type: ignore[return-value]
+            reason: StopReason = "length" if completion.finish_reason == "length" else "stop"
+            results[r, j] = SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason)
+        return [[results[r, j] for j in range(rq.n)] for r, rq in enumerate(requests)]

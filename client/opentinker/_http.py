@@ -55,6 +55,7 @@ class Transport:
 
     def _send(self, method: str, path: str, *, idempotent: bool, **kwargs: Any) -> httpx.Response:
         attempt = 0
+        error: httpx.TransportError
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)

@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from pydantic import BaseModel
@@ -51,22 +51,23 @@ app.add_typer(keys_app, name="keys")
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 
 
-def handles_errors(fn: F) -> F:
+def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Report a client error as one clear message and its documented exit code."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except OpenTinkerError as exc:
             _report(exc)
             raise typer.Exit(exc.exit_code) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def _report(exc: OpenTinkerError) -> None:

@@ -26,7 +26,10 @@ SERVER_PACKAGES = (
 NAME = re.compile(r"\bOPENTINKER_[A-Z0-9_]*[A-Z0-9]\b")
 # Not settings: a marker string inside rendered prompts.
 NOT_SETTINGS = {"OPENTINKER_ACTION"}
-ENV_READ = re.compile(r"(environ\.get|environ\[|getenv)\(?\s*[\"'](OPENTINKER_[A-Z0-9_]+)")
+# A read: os.environ.get("X"), os.getenv("X"), os.environ["X"] not followed by "=".
+ENV_READ = re.compile(
+    r"(environ\.get\(|getenv\(|environ\[)\s*[\"'](OPENTINKER_[A-Z0-9_]+)[\"']\]?+(?!\s*=[^=])"
+)
 
 
 def _server_sources() -> list[Path]:
