@@ -28,6 +28,14 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
 from accounts.models import Quota, Team
+from environments.datasets import (
+    FORMATS,
+    DatasetValidationError,
+    inspect_file,
+    resolve,
+)
+from environments.datasets import detect_format as detect
+from environments.registry import ContractError, get_env
 
 from .models import FINAL_STATES, Dataset, Job
 
@@ -101,7 +109,6 @@ def validate_name(name: str) -> str:
 
 def validate_env(env: str) -> str:
     """The environment must exist and read a dataset (a generator env has no schema)."""
-    from environments.registry import ContractError, get_env
 
     try:
         spec = get_env(env)
@@ -113,8 +120,6 @@ def validate_env(env: str) -> str:
 
 
 def detect_format(filename: str, fmt: str | None) -> str:
-    from environments.datasets import FORMATS, DatasetValidationError
-    from environments.datasets import detect_format as detect
 
     if fmt:
         if fmt not in FORMATS:
@@ -150,7 +155,6 @@ def store_dataset(
     Raises ``DatasetRejected`` (bad field or rows), ``DatasetTooLarge`` or
     ``DatasetConflict`` (name taken); in every case no file is left behind.
     """
-    from environments.datasets import inspect_file
 
     name = validate_name(name)
     env = validate_env(env)
@@ -277,7 +281,6 @@ def resolve_dataset_ref(ref: str) -> Path:
     """The file behind a stored job spec's ``dataset``: ``builtin:<name>`` (shipped with
     ``environments``) or ``dataset:<uuid>`` (an upload). Raises ``LookupError``."""
     if ref.startswith(BUILTIN_REF_PREFIX):
-        from environments.datasets import DatasetValidationError, resolve
 
         try:
             return resolve(ref)
