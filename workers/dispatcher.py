@@ -100,10 +100,6 @@ def queued_candidates() -> list[Candidate]:
     ]
 
 
-# TRANSITIONAL: web/views/pool.py imports the old private name; it should use queued_candidates.
-_queued_candidates = queued_candidates
-
-
 def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
     """Mark the job STARTING and send its task; on any failure give the GPUs back."""
     task_id = str(uuid.uuid4())

@@ -71,7 +71,7 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
     keeper.start()
     state, code, message = JobState.SUCCEEDED, "", ""
     try:
-        runner = runners.get_runner(str(spec.get("method", "")))
+        runner = runners.runner_for(ctx.job_spec)
         runner(ctx)
         if ctx.stop_reason == "cancelled":
             state = JobState.CANCELLED

@@ -53,11 +53,14 @@ def context(**spec: Any) -> RecordingContext:
     )
 
 
-def test_it_finds_the_built_in_smoke_runner_and_refuses_unknown_methods() -> None:
+def test_it_finds_the_built_in_smoke_runner_and_refuses_unknown_methods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert runners.runner_for(parse_spec({"method": "smoke"})) is smoke
     assert "smoke" in runners.available()
-    with pytest.raises(runners.UnknownMethod, match="no runner for method 'nope'"):
-        runners.get_runner("nope")
+    monkeypatch.delitem(runners._registry, ("smoke", "native"))
+    with pytest.raises(runners.UnknownMethod, match="no runner for method 'smoke'"):
+        runners.runner_for(parse_spec({"method": "smoke"}))
     with pytest.raises(ValueError, match="module:function"):
         runners.register("x", "not-a-path")
 

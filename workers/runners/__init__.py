@@ -26,7 +26,6 @@ __all__ = [
     "Runner",
     "UnknownMethod",
     "available",
-    "get_runner",
     "register",
     "runner_for",
 ]
@@ -86,15 +85,3 @@ def runner_for(spec: JobSpec) -> Runner:
     if key not in _registry:
         raise UnknownMethod(spec.method, spec.runner)
     return _load(key)
-
-
-def get_runner(method: str) -> Runner:
-    """The door ``workers.tasks`` uses until it calls ``runner_for(ctx.job_spec)`` (issue 12):
-    a runner for ``method`` that leaves the choice of engine to ``runner_for``."""
-    if not any(m == method for m, _ in _registry):
-        raise UnknownMethod(method)
-
-    def run(ctx: JobContext) -> None:
-        runner_for(ctx.job_spec)(ctx)
-
-    return run
