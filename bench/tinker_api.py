@@ -27,6 +27,7 @@ Run: ``.venv/bin/python bench/tinker_api.py`` (``--write`` updates docs/benchmar
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import re
@@ -44,6 +45,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -203,8 +206,6 @@ def _prompt_ids(tokenizer: Any) -> list[int]:
 def _rl_arrays(
     prompt: list[int], tokens: list[int], logprobs: list[float], adv: float
 ) -> tuple[list[int], dict[str, Any]]:
-    import numpy as np
-
     full = prompt + list(tokens)
     n_prompt = len(prompt) - 1
     return full[:-1], {
@@ -222,11 +223,11 @@ def _reward(tokenizer: Any, tokens: list[int]) -> float:
 
 def bench_rl_step(url: str, key: str, group: int, max_tokens: int, rounds: int, steps: int) -> dict:
     """(a): seconds per RL step through the SDK and in-process; median per-round ratio."""
-    import numpy as np
     import tinker
+    import torch
     from tinker import types
 
-    from tinker_api.modelworker import LORA_ALPHA, target_modules
+    from tinker_api.worker.lora import LORA_ALPHA, target_modules
     from training.engine import Engine
     from training.model import DEFAULT_BASE_MODEL
     from training.ops import forward_backward, optim_step
@@ -237,11 +238,10 @@ def bench_rl_step(url: str, key: str, group: int, max_tokens: int, rounds: int, 
     training = service.create_lora_training_client(base_model=BASE, rank=RANK, seed=0).result()
     tokenizer = training.get_tokenizer()
     prompt = _prompt_ids(tokenizer)
-    sdk_step_no = [0]
+    sdk_steps = itertools.count()
 
     def sdk_step() -> int:
-        step = sdk_step_no[0]
-        sdk_step_no[0] += 1
+        step = next(sdk_steps)
         sampler = training.save_weights_and_get_sampling_client().result()
         result = sampler.sample(
             types.ModelInput.from_ints(prompt),
@@ -266,13 +266,10 @@ def bench_rl_step(url: str, key: str, group: int, max_tokens: int, rounds: int, 
         rank=RANK, alpha=LORA_ALPHA, target_modules=target_modules({}), seed=0
     )
     export_dir = Path(tempfile.mkdtemp(prefix="bench-tinker-export-"))
-    local_step_no = [0]
+    local_steps = itertools.count()
 
     def local_step() -> int:
-        import torch
-
-        step = local_step_no[0]
-        local_step_no[0] += 1
+        step = next(local_steps)
         # What save_weights_for_sampler costs the worker: a snapshot and its PEFT export.
         version = policy.snapshot()
         policy.export_peft(version, export_dir / f"v{version}")
@@ -358,7 +355,7 @@ def bench_engine_batching(batch: int, rounds: int) -> dict:
     multi-LoRA engine call vs four calls, in-process (no HTTP, no worker)."""
     import torch
 
-    from tinker_api.modelworker import LORA_ALPHA, target_modules
+    from tinker_api.worker.lora import LORA_ALPHA, target_modules
     from training.engine import Engine
     from training.model import DEFAULT_BASE_MODEL
     from training.ops import forward_backward
@@ -404,7 +401,6 @@ def bench_engine_batching(batch: int, rounds: int) -> dict:
 
 def bench_four_clients(url: str, key: str, steps: int, batch: int) -> dict:
     """(b): SFT steps per second of four clients at once vs one after another."""
-    import numpy as np
     import tinker
     from tinker import types
 

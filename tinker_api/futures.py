@@ -40,7 +40,7 @@ def _r() -> Any:
 
 def future_ttl() -> int:
     """How long a future's result stays retrievable (and its dedupe key valid)."""
-    return conf._int_setting("OPENTINKER_TINKER_FUTURE_TTL_SECONDS", 3600, minimum=10)
+    return conf.int_setting("OPENTINKER_TINKER_FUTURE_TTL_SECONDS", minimum=10)
 
 
 def _text(value: Any) -> str:

@@ -246,10 +246,6 @@ class CreateSamplingSessionRequest(RequestModel):
         return self
 
 
-class JoinSamplingSessionRequest(RequestModel):
-    sampling_session_id: str
-
-
 class SamplingParams(RequestModel):
     max_tokens: int | None = Field(None, ge=0)
     seed: int | None = None
@@ -398,11 +394,6 @@ class LoadWeightsResponse(ResponseModel):
 class CreateSamplingSessionResponse(ResponseModel):
     type: Literal["create_sampling_session"] = "create_sampling_session"
     sampling_session_id: str
-
-
-class JoinSamplingSessionResponse(ResponseModel):
-    type: Literal["join_sampling_session"] = "join_sampling_session"
-    client_counter: int
 
 
 class GetSamplerResponse(ResponseModel):

@@ -1,7 +1,107 @@
-"""Celery tasks of the Tinker protocol (found by ``app.autodiscover_tasks``)."""
+"""Celery tasks of the Tinker protocol (found by ``app.autodiscover_tasks``).
+
+Every Celery worker imports this module; the model worker (and torch with it) is imported
+only when a task starts serving, so control and env workers never load torch.
+"""
 
 from __future__ import annotations
 
-from tinker_api.modelworker import serve_base_model
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-__all__ = ["serve_base_model"]
+from celery import shared_task
+
+from tinker_api import futures
+from tinker_api.services.queue import SERVE_BASE_MODEL
+from workers import conf
+from workers.devices import lease_devices
+from workers.leases import LeaseKeeper
+from workers.locktable import GpuLockTable, Lease
+
+if TYPE_CHECKING:
+    from tinker_api.worker.server import ModelWorker
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat(LeaseKeeper):
+    """Renews the lease and the worker's registration every heartbeat interval."""
+
+    def __init__(
+        self,
+        table: GpuLockTable,
+        lease: Lease,
+        base: str,
+        worker_id: str,
+        on_lost: Callable[[], None],
+    ) -> None:
+        super().__init__(table, lease, on_lost)
+        self.name = f"tinker-worker-{base}"
+        self.base, self.worker_id = base, worker_id
+
+    def still_held(self) -> bool:
+        return super().still_held() and futures.register_worker(
+            self.base, self.worker_id, conf.lease_seconds()
+        )
+
+
+@shared_task(name=SERVE_BASE_MODEL, ignore_result=True)
+def serve_base_model(
+    base: str, *, base_path: str, node: str, gpus: list[int], lease_job_id: str, lease_token: str
+) -> str:
+    """Serve the Tinker requests of one base model on the leased block until idle."""
+    table = GpuLockTable(conf.get_redis())
+    lease = Lease(job_id=lease_job_id, node=node, gpus=tuple(gpus), token=lease_token)
+    worker_id = f"{node}:{uuid.uuid4().hex[:12]}"
+    try:
+        if table.renew(lease, conf.lease_seconds(), start=True) is None:
+            return "lease-lost"
+        if not futures.register_worker(base, worker_id, conf.lease_seconds()):
+            table.release(lease)
+            return "another-worker"
+    finally:
+        futures.clear_starting(base)
+    worker: ModelWorker | None = None
+    heartbeat = Heartbeat(table, lease, base, worker_id, on_lost=lambda: None)
+    heartbeat.start()
+    outcome = "failed"
+    try:
+        # Imported here: the model worker imports torch (see the module docstring).
+        from tinker_api.worker.server import ModelWorker
+
+        worker = ModelWorker(base, base_path, lease_devices(table, node, gpus)[0], worker_id)
+        heartbeat.on_lost = worker.stopping.set
+        outcome = worker.serve()
+    except Exception as exc:
+        log.exception("model worker for %s failed", base)
+        outcome = f"failed: {exc}"
+    finally:
+        heartbeat.stop()
+        futures.unregister_worker(base, worker_id)
+        if worker is not None:
+            worker.fail_everything(f"the model worker for {base} stopped ({outcome})")
+        else:
+            drain_failed(base, worker_id, f"the model worker for {base} could not start: {outcome}")
+        table.release(lease)
+        log.info("model worker %s for %s ended: %s", worker_id, base, outcome)
+    return outcome
+
+
+def drain_failed(base: str, worker_id: str, reason: str) -> None:
+    """Fail every request queued for ``base``: a worker that cannot load the base model must
+    not leave clients polling futures nobody will run."""
+    r = conf.get_redis()
+    while True:
+        got = r.xreadgroup(futures.GROUP, worker_id, {futures.stream_key(base): ">"}, count=512)
+        entries = [e for _s, batch in got or [] for e in batch]
+        if not entries:
+            return
+        for entry_id, raw in entries:
+            op = json.loads(raw[b"op"])
+            futures.fail(str(op["rid"]), reason)
+            if op.get("op") == "sample":
+                futures.samples_answered(base, 1)
+            r.xack(futures.stream_key(base), futures.GROUP, entry_id)

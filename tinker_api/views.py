@@ -17,8 +17,10 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.exceptions import AuthenticationFailed
 
 from accounts.authentication import ApiKeyAuthentication
+from jobs.models import BaseModel
 from tinker_api import schemas as s
 from tinker_api import services, wire
+from tinker_api.models import TrainingModel
 from tinker_api.services import Caller, NotFound
 
 # Largest body accepted before decompression (forward_backward chunks are ~5 MB).
@@ -104,8 +106,6 @@ def telemetry(request: HttpRequest, caller: Caller) -> HttpResponse:
 
 @endpoint("GET")
 def server_capabilities(request: HttpRequest, caller: Caller) -> HttpResponse:
-    from jobs.models import BaseModel
-
     models = [
         s.SupportedModel(
             model_name=m.name, max_context_length=m.max_context, trainable=True, sampleable=True
@@ -268,8 +268,6 @@ def _page(request: HttpRequest) -> tuple[int, int]:
 
 @endpoint("GET")
 def training_runs(request: HttpRequest, caller: Caller) -> HttpResponse:
-    from tinker_api.models import TrainingModel
-
     limit, offset = _page(request)
     qs = TrainingModel.objects.for_team(caller.team_id).order_by("-created")
     rows = list(qs[offset : offset + limit])

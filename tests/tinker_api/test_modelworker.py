@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tinker_api import futures
-from tinker_api.modelworker import ModelWorker
+from tinker_api.worker.server import ModelWorker
 
 BASE = "batching-test"
 
@@ -238,7 +238,7 @@ def test_it_holds_a_ready_batch_briefly_for_other_active_models(
     # b's client is a little behind a's: b's request joins a's batch.
     fwdbwd("a", 1, "cross_entropy", ROWS_A)
     worker.read(0)
-    worker.seen["b"] = time.monotonic()  # b's last request was just answered
+    worker.order.seen["b"] = time.monotonic()  # b's last request was just answered
     late = threading.Timer(0.1, fwdbwd, args=("b", 1, "cross_entropy", ROWS_B))
     late.start()
     started = time.monotonic()
@@ -248,7 +248,7 @@ def test_it_holds_a_ready_batch_briefly_for_other_active_models(
     worker.step()
     assert calls == [3]
     # A model silent for longer than ACTIVE_SECONDS is not waited for.
-    worker.seen["b"] -= 10.0
+    worker.order.seen["b"] -= 10.0
     fwdbwd("a", 2, "cross_entropy", ROWS_A)
     worker.read(0)
     started = time.monotonic()

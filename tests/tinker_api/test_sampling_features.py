@@ -148,7 +148,7 @@ def test_it_reads_every_stop_form_the_sdk_sends() -> None:
         req = req.model_copy(
             update={"sampling_params": s.SamplingParams.model_validate({"stop": stop})}
         )
-        return services._stop_params(req.sampling_params.stop)
+        return services.sampling.stop_params(req.sampling_params.stop)
 
     assert stop_of(None) == {"stop_strings": [], "stop_ids": [], "stop_on_eos": True}
     assert stop_of([]) == {"stop_strings": [], "stop_ids": [], "stop_on_eos": False}

@@ -323,7 +323,6 @@ CHECKPOINT = s.Checkpoint(
             s.GetSamplerResponse(sampler_id="samp-1", base_model="Qwen/Qwen3-0.6B"),
             types.GetSamplerResponse,
         ),
-        (s.JoinSamplingSessionResponse(client_counter=3), types.JoinSamplingSessionResponse),
         (s.ClientDynamicConfigResponse(), types.ClientDynamicConfigResponse),
         (
             s.GetServerCapabilitiesResponse(

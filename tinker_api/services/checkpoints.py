@@ -1,0 +1,210 @@
+"""Checkpoints and training runs: every write of a checkpoint row, from the web process (a
+save asked for, a TTL, a deletion) and from the model worker (the file it wrote)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from tinker_api import schemas as s
+from tinker_api import wire
+from tinker_api.models import Checkpoint, SamplingSession, TrainingModel
+from tinker_api.services.lookups import Caller, get_checkpoint, get_model
+from tinker_api.services.queue import submit
+
+# Names the SDK puts into tinker:// paths: no "/" and nothing that walks up a directory.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Name prefix of the sampler checkpoints of unnamed saves with kind="inflight".
+INFLIGHT_PREFIX = "inflight-"
+
+
+def _checkpoint_file(model: TrainingModel, kind: str, name: str) -> str:
+    folder = "weights" if kind == Checkpoint.Kind.TRAINING else "sampler_weights"
+    suffix = ".pt" if kind == Checkpoint.Kind.TRAINING else ""
+    return f"tinker/{model.team_id}/{model.id}/{folder}/{name}{suffix}"
+
+
+def _new_checkpoint(
+    model: TrainingModel,
+    kind: str,
+    name: str,
+    *,
+    ttl_seconds: int | None,
+    overwrite: bool,
+    user_metadata: dict[str, str] | None,
+    seq: int | None,
+) -> Checkpoint:
+    if not _NAME.match(name):
+        raise wire.WireError(
+            f"invalid checkpoint name {name!r}: letters, digits, '.', '_' and '-', 1-200 chars"
+        )
+    existing = Checkpoint.objects.filter(model=model, kind=kind, name=name).first()
+    if existing is not None:
+        # A retried submission of the same request reuses its row.
+        if overwrite or (existing.user_metadata or {}).get("_seq") == str(seq):
+            existing.delete()
+        else:
+            raise wire.WireError(f"checkpoint {existing.tinker_path} exists; pass overwrite")
+    expires = timezone.now() + timedelta(seconds=ttl_seconds) if ttl_seconds else None
+    return Checkpoint.objects.create(
+        model=model,
+        team_id=model.team_id,
+        kind=kind,
+        name=name,
+        file=_checkpoint_file(model, kind, name),
+        expires_at=expires,
+        user_metadata={**(user_metadata or {}), "_seq": str(seq)},
+    )
+
+
+def save_weights(caller: Caller, req: s.SaveWeightsRequest) -> str:
+    model = get_model(caller, req.model_id)
+    name = req.path or f"step-{req.seq_id}"
+    ckpt = _new_checkpoint(
+        model,
+        Checkpoint.Kind.TRAINING,
+        name,
+        ttl_seconds=req.ttl_seconds,
+        overwrite=req.overwrite,
+        user_metadata=req.user_metadata,
+        seq=req.seq_id,
+    )
+    return submit(caller, model, req.seq_id, {"op": "save_state", "checkpoint": ckpt.pk})
+
+
+def save_weights_for_sampler(caller: Caller, req: s.SaveWeightsForSamplerRequest) -> str:
+    model = get_model(caller, req.model_id)
+    op: dict[str, Any] = {"op": "save_sampler"}
+    if req.path is not None:
+        name = req.path
+    else:
+        # "inflight" saves are marked by name: each one also moves the model's earlier
+        # inflight sampling sessions onto its weights (record_sampler_saved).
+        prefix = INFLIGHT_PREFIX if req.kind == "inflight" else "session-"
+        name = f"{prefix}{req.sampling_session_seq_id}-seq-{req.seq_id}"
+        sampling_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
+        SamplingSession.objects.get_or_create(
+            id=sampling_id,
+            defaults={
+                "session_id": model.session_id,
+                "team_id": caller.team_id,
+                "base_model": model.base_model,
+            },
+        )
+        op["sampling_session_id"] = sampling_id
+    ckpt = _new_checkpoint(
+        model,
+        Checkpoint.Kind.SAMPLER,
+        name,
+        ttl_seconds=req.ttl_seconds,
+        overwrite=req.path is None,
+        user_metadata=req.user_metadata,
+        seq=req.seq_id,
+    )
+    if req.path is None:
+        SamplingSession.objects.filter(pk=op["sampling_session_id"]).update(
+            model_path=ckpt.tinker_path
+        )
+    return submit(caller, model, req.seq_id, {**op, "checkpoint": ckpt.pk})
+
+
+def record_state_saved(checkpoint_pk: int, *, size_bytes: int, step: int) -> None:
+    """The model worker wrote a training state's file: from now on it is listed and loadable."""
+    Checkpoint.objects.filter(pk=checkpoint_pk).update(size_bytes=size_bytes, step=step)
+
+
+def record_sampler_saved(
+    ckpt: Checkpoint,
+    *,
+    size_bytes: int,
+    step: int,
+    version: int,
+    sampling_session_id: str | None,
+) -> None:
+    """The model worker wrote sampler weights (snapshot ``version``); the sampling session
+    the save named samples from them from now on."""
+    Checkpoint.objects.filter(pk=ckpt.pk).update(size_bytes=size_bytes, step=step, version=version)
+    if not sampling_session_id:
+        return
+    SamplingSession.objects.filter(pk=sampling_session_id).update(checkpoint=ckpt)
+    if ckpt.name.startswith(INFLIGHT_PREFIX):
+        # The inflight contract: a later inflight save reaches the clients of the earlier
+        # ones too (their next samples run on these weights).
+        SamplingSession.objects.filter(
+            checkpoint__model_id=ckpt.model_id, checkpoint__name__startswith=INFLIGHT_PREFIX
+        ).update(checkpoint=ckpt, model_path=ckpt.tinker_path)
+
+
+def _checkpoint_out(c: Checkpoint) -> s.Checkpoint:
+    meta = {k: v for k, v in (c.user_metadata or {}).items() if not k.startswith("_")}
+    segment = "weights" if c.kind == Checkpoint.Kind.TRAINING else "sampler_weights"
+    return s.Checkpoint(
+        checkpoint_id=f"{segment}/{c.name}",
+        checkpoint_type=c.kind,  # type: ignore[arg-type]
+        time=c.created,
+        tinker_path=c.tinker_path,
+        size_bytes=c.size_bytes,
+        user_metadata=meta or None,
+        expires_at=c.expires_at,
+    )
+
+
+def purge_expired(team_id: int) -> int:
+    """Delete the team's checkpoints whose TTL has passed, files included."""
+    gone = list(Checkpoint.objects.for_team(team_id).filter(expires_at__lte=timezone.now()))
+    for c in gone:
+        delete_checkpoint_row(c)
+    return len(gone)
+
+
+def delete_checkpoint_row(c: Checkpoint) -> None:
+    path = c.file_path()
+    c.delete()
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def list_checkpoints(caller: Caller, model_id: str | None) -> list[s.Checkpoint]:
+    purge_expired(caller.team_id)
+    qs = Checkpoint.objects.for_team(caller.team_id).exclude(size_bytes__isnull=True)
+    if model_id is not None:
+        qs = qs.filter(model=get_model(caller, model_id))
+    return [_checkpoint_out(c) for c in qs]
+
+
+def _checkpoint_by_id(caller: Caller, run: str, segment: str, name: str) -> Checkpoint:
+    return get_checkpoint(caller, f"tinker://{run}/{segment}/{name}")
+
+
+def delete_checkpoint(caller: Caller, run: str, segment: str, name: str) -> None:
+    delete_checkpoint_row(_checkpoint_by_id(caller, run, segment, name))
+
+
+def set_checkpoint_ttl(caller: Caller, run: str, segment: str, name: str, ttl: int | None) -> None:
+    c = _checkpoint_by_id(caller, run, segment, name)
+    expires = timezone.now() + timedelta(seconds=ttl) if ttl else None
+    Checkpoint.objects.filter(pk=c.pk).update(expires_at=expires)
+
+
+def training_run(caller: Caller, model: TrainingModel) -> s.TrainingRun:
+    done = model.checkpoints.exclude(size_bytes__isnull=True)
+    last = done.filter(kind=Checkpoint.Kind.TRAINING).first()
+    last_sampler = done.filter(kind=Checkpoint.Kind.SAMPLER).first()
+    meta = model.user_metadata or None
+    return s.TrainingRun(
+        training_run_id=model.id,
+        base_model=model.base_model,
+        model_owner=str(model.team_id),
+        is_lora=True,
+        lora_rank=model.lora_rank,
+        last_request_time=model.last_request,
+        last_checkpoint=_checkpoint_out(last) if last else None,
+        last_sampler_checkpoint=_checkpoint_out(last_sampler) if last_sampler else None,
+        user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
+    )

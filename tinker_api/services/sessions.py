@@ -1,0 +1,71 @@
+"""Tinker sessions: created by a ``ServiceClient``, kept alive by its heartbeats, ended by it
+or by silence."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection
+from datetime import timedelta
+
+from django.utils import timezone
+
+from tinker_api import futures
+from tinker_api import schemas as s
+from tinker_api.models import TinkerSession, TrainingModel
+from tinker_api.services.lookups import Caller, get_session
+
+
+def create_session(caller: Caller, req: s.CreateSessionRequest) -> TinkerSession:
+    return TinkerSession.objects.create(
+        id=f"s-{uuid.uuid4().hex}",
+        team_id=caller.team_id,
+        api_key=caller.key,
+        tags=req.tags,
+        user_metadata=req.user_metadata,
+        sdk_version=req.sdk_version[:64],
+    )
+
+
+def heartbeat(caller: Caller, session_id: str) -> bool:
+    """False when the session has finished (the SDK stops heartbeating on 410)."""
+    row = get_session(caller, session_id)
+    if row.finished:
+        return False
+    TinkerSession.objects.filter(pk=row.pk).update(last_heartbeat=timezone.now())
+    return True
+
+
+def finish_session(caller: Caller, session_id: str, req: s.SessionFinishRequest) -> None:
+    row = get_session(caller, session_id)
+    # The first reason wins: a conditional update.
+    finished = TinkerSession.objects.filter(pk=row.pk, finished_at__isnull=True).update(
+        finished_at=timezone.now(), finish_reason=req.reason.type, finish_detail=req.detail or ""
+    )
+    if not finished:
+        return
+    by_base: dict[str, list[str]] = {}
+    for model_id, base in TrainingModel.objects.filter(session=row).values_list("id", "base_model"):
+        by_base.setdefault(base, []).append(model_id)
+    for base, models in by_base.items():
+        # Only a running worker holds these models; none to start for a goodbye.
+        current = futures.worker_of(base)
+        if current and futures.worker_alive(current):
+            request_id = futures.new_request_id()
+            futures.create(request_id, team_id=caller.team_id, kind="close", base=base)
+            futures.enqueue(base, {"op": "close", "rid": request_id, "models": models})
+
+
+def end_silent_sessions(model_ids: Collection[str], timeout_seconds: int) -> list[str]:
+    """Of ``model_ids``, those whose session is over: finished, or silent for
+    ``timeout_seconds`` (its client is gone), which ends it here as ``interrupted``."""
+    cutoff = timezone.now() - timedelta(seconds=timeout_seconds)
+    rows = TrainingModel.objects.filter(pk__in=model_ids).values_list(
+        "id", "session_id", "session__last_heartbeat", "session__finished_at"
+    )
+    silent = {sid for _m, sid, beat, done in rows if done is None and beat < cutoff}
+    TinkerSession.objects.filter(pk__in=silent, finished_at__isnull=True).update(
+        finished_at=timezone.now(),
+        finish_reason="interrupted",
+        finish_detail="no heartbeat",
+    )
+    return [m for m, sid, _beat, done in rows if done is not None or sid in silent]

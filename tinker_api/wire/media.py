@@ -1,0 +1,97 @@
+"""Media types, body compression and JSON request parsing: what every endpoint shares.
+
+The 0.38 SDK sends forward/backward bodies as protobuf (``Content-Type:
+application/x-protobuf``), zstd-compressed when the server's client config sets
+``proto_compress_fwdbwd`` (``Content-Encoding: zstd``); older clients and curl send JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import zstandard
+from pydantic import BaseModel, ValidationError
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+# Bodies are limited after decompression too: a small zstd frame can expand enormously.
+DEFAULT_MAX_DECODED_BYTES = 256 * 1024 * 1024
+
+
+class WireError(ValueError):
+    """A request body the server cannot accept. ``status`` is the HTTP status to answer
+    with at submission (400 malformed, 413 too large, 415 unknown media type); the SDK
+    shows the message to the user and does not retry a 4xx other than 408/409/429."""
+
+    category: Literal["user"] = "user"
+
+    def __init__(self, message: str, *, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def body(self) -> dict[str, str]:
+        return {"detail": str(self)}
+
+
+@dataclass(frozen=True)
+class EncodedBody:
+    content: bytes
+    content_type: str
+
+
+def media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+def wants_protobuf(accept: str | None) -> bool:
+    """True when the ``Accept`` header names the protobuf media type."""
+    return any(media_type(part) == PROTOBUF for part in (accept or "").split(","))
+
+
+def decompress(
+    body: bytes, content_encoding: str | None, *, max_bytes: int = DEFAULT_MAX_DECODED_BYTES
+) -> bytes:
+    """Undo ``Content-Encoding`` (identity or zstd), refusing output over ``max_bytes``."""
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding in ("", "identity"):
+        raw = body
+    elif encoding == "zstd":
+        try:
+            size = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as exc:
+            raise WireError(f"body is not a zstd frame: {exc}") from None
+        if size > max_bytes:
+            raise WireError(
+                f"body expands to {size} bytes, over the {max_bytes}-byte limit", status=413
+            )
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+        except zstandard.ZstdError as exc:
+            raise WireError(f"body is not valid zstd: {exc}") from None
+    else:
+        raise WireError(
+            f"Content-Encoding {encoding!r} is not supported (use zstd or none)", status=415
+        )
+    if len(raw) > max_bytes:
+        raise WireError(f"body is {len(raw)} bytes, over the {max_bytes}-byte limit", status=413)
+    return raw
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_json(model: type[ModelT], body: bytes) -> ModelT:
+    """Validate a JSON request body, turning pydantic's errors into a 400 ``WireError``."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise WireError(f"invalid {model.__name__}: {_first_errors(exc)}") from None
+
+
+def _first_errors(exc: ValidationError, limit: int = 3) -> str:
+    parts = []
+    for err in exc.errors()[:limit]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(body)"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)

@@ -1,0 +1,154 @@
+"""Per-model ``seq_id`` order: a request runs only after every earlier one of its model.
+
+The SDK numbers each model's requests; chunks of one call get consecutive seq_ids. A request
+that arrives early waits for the gap to fill; a gap left by a request lost with a dead worker
+is skipped once that is certain.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tinker_api import futures
+from tinker_api.worker.requests import Op
+from workers import conf
+
+# How long a model may wait on a missing seq_id before the worker checks whether that
+# request was lost with a dead worker.
+GAP_CHECK_SECONDS = 1.0
+# A model that sent a request this recently is "active": a client in a training loop sends
+# its next request a few milliseconds after its previous one is answered.
+ACTIVE_SECONDS = 0.25
+
+
+@dataclass
+class Ready:
+    """What one scheduling pass found runnable, each list in seq_id order per model."""
+
+    # Each runs before its model advances (``SeqOrder.advance`` once it ran).
+    singles: list[Op] = field(default_factory=list)
+    optims: list[Op] = field(default_factory=list)
+    # forward_only -> consecutive forward/backward chunks of the models ready for them
+    fwdbwd: dict[bool, list[Op]] = field(default_factory=lambda: {False: [], True: []})
+
+
+class SeqOrder:
+    """The ordered requests of the models one worker serves."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.next: dict[str, int] = {}
+        self.pending: dict[str, dict[int, Op]] = {}
+        self.waiting_since: dict[str, float] = {}
+        # When each model last sent a request (monotonic), for the gather window.
+        self.seen: dict[str, float] = {}
+
+    def accept(self, op: Op) -> None:
+        model = op.model
+        self.seen[model] = time.monotonic()
+        if model not in self.next:
+            self.next[model] = futures.next_seq(model)
+        if op.seq < self.next[model] or op.seq in self.pending.get(model, {}):
+            futures.fail(op.rid, f"request seq_id {op.seq} of {model} was already executed")
+            return
+        self.pending.setdefault(model, {})[op.seq] = op
+
+    def drop(self, model: str) -> list[Op]:
+        """Forget ``model``; returns its queued requests, for the caller to fail."""
+        queued = list(self.pending.pop(model, {}).values())
+        self.waiting_since.pop(model, None)
+        self.next.pop(model, None)
+        self.seen.pop(model, None)
+        return queued
+
+    def queued(self) -> list[Op]:
+        return [op for ops in self.pending.values() for op in ops.values()]
+
+    def has_runnable(self) -> bool:
+        return any(self.next.get(m, 0) in ops for m, ops in self.pending.items() if ops)
+
+    def awaiting_others(self) -> bool:
+        """Only forward/backwards are ready, and another active model has nothing queued:
+        its next request is probably a few milliseconds away."""
+        now = time.monotonic()
+        ready = set()
+        for model, ops in self.pending.items():
+            first = ops.get(self.next.get(model, 0))
+            if first is not None:
+                if first.kind != "fwdbwd":
+                    return False  # other work is ready: run it now
+                ready.add(model)
+        if not ready:
+            return False
+        for model, at in list(self.seen.items()):
+            if now - at > ACTIVE_SECONDS:
+                del self.seen[model]
+            elif model not in ready and not self.pending.get(model):
+                return True
+        return False
+
+    def take_ready(self) -> Ready:
+        """Take every request that may run now out of the queue, advancing each model past
+        them (past a single request once it ran)."""
+        ready = Ready()
+        for model in list(self.pending):
+            ops = self.pending[model]
+            seq = self.next.get(model, 0)
+            if seq not in ops:
+                if ops:
+                    self._check_gap(model)
+                continue
+            self.waiting_since.pop(model, None)
+            first = ops[seq]
+            if first.kind == "optim":
+                # Optimizer steps of all models that are ready run as one update.
+                ready.optims.append(ops.pop(seq))
+                self.advance(model, seq + 1)
+                continue
+            if first.kind != "fwdbwd":
+                del ops[seq]
+                ready.singles.append(first)
+                continue
+            forward_only = bool(first.fields.get("forward_only"))
+            # Consecutive chunks of one call (or calls) batch together.
+            while (
+                seq in ops
+                and ops[seq].kind == "fwdbwd"
+                and bool(ops[seq].fields.get("forward_only")) == forward_only
+            ):
+                ready.fwdbwd[forward_only].append(ops.pop(seq))
+                seq += 1
+            self.advance(model, seq)
+        for model in [m for m, ops in self.pending.items() if not ops]:
+            del self.pending[model]
+        return ready
+
+    def advance(self, model: str, seq: int) -> None:
+        self.next[model] = seq
+        futures.set_next_seq(model, seq)
+
+    def _check_gap(self, model: str) -> None:
+        """A seq_id that never arrives: skip it if its request was lost with a dead worker."""
+        now = time.monotonic()
+        since = self.waiting_since.setdefault(model, now)
+        if now - since < GAP_CHECK_SECONDS:
+            return
+        self.waiting_since[model] = now
+        seq = self.next[model]
+        rid = conf.get_redis().get(f"{futures.PREFIX}dedupe:seq:{model}:{seq}")
+        if rid is None:
+            return
+        fut = futures.get(rid.decode())
+        if fut is None or fut.get("status") in futures.FINAL:
+            lost = True
+        else:
+            owner = fut.get("worker")
+            lost = (
+                fut.get("status") == futures.CLAIMED
+                and owner != self.worker_id
+                and not (owner and futures.worker_alive(owner))
+            )
+        if lost:
+            futures.fail(rid.decode(), "the model worker executing this request stopped")
+            self.advance(model, seq + 1)

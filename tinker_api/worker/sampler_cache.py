@@ -1,0 +1,76 @@
+"""Which host adapter samples a sampler checkpoint: a live snapshot, or its files, loaded once.
+
+A save for the sampler snapshots the policy in memory and writes a PEFT adapter; this worker
+samples from the snapshot while it holds it and from the adapter files otherwise (a snapshot
+it dropped, or one another worker made).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from tinker_api.worker.lora import LORA_ALPHA
+from tinker_api.worker.requests import RequestError
+from training import peft_io
+from training.engine import Engine
+from training.policy import Policy
+
+# Snapshots kept in memory per model, and sampler checkpoints loaded from disk per worker.
+LIVE_SNAPSHOTS = 4
+LOADED_SAMPLERS = 16
+
+
+class SamplerCache:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # Snapshots this worker made (checkpoint pk -> policy, version), and adapters loaded
+        # from disk (file -> host key), oldest first.
+        self.snapshots: dict[int, tuple[Policy, int]] = {}
+        self.loaded: dict[str, str] = {}
+
+    def keep_snapshot(self, checkpoint_pk: int, policy: Policy, version: int) -> None:
+        """Serve a sampler checkpoint from its in-memory snapshot; the oldest snapshots of a
+        policy beyond ``LIVE_SNAPSHOTS`` are dropped (their files still serve them)."""
+        self.snapshots[checkpoint_pk] = (policy, version)
+        mine = sorted(pk for pk, (p, _v) in self.snapshots.items() if p is policy)
+        for pk in mine[:-LIVE_SNAPSHOTS]:
+            old_policy, old_version = self.snapshots.pop(pk)
+            if old_version in old_policy.versions:
+                old_policy.release(old_version)
+
+    def forget(self, policy: Policy) -> None:
+        """``policy`` is gone: its snapshots no longer serve anything."""
+        self.snapshots = {k: v for k, v in self.snapshots.items() if v[0] is not policy}
+
+    def key(self, target: Mapping[str, Any], policies: Mapping[str, Policy]) -> str | None:
+        """The host adapter key that samples ``target``: None for the base model, a live
+        snapshot this worker made, else the sampler checkpoint loaded from disk."""
+        if not target.get("model"):
+            return None
+        live = self.snapshots.get(int(target["checkpoint"]))
+        if live is not None:
+            policy, version = live
+            # A rebuilt model is a new policy object: its old snapshots are gone.
+            if policies.get(target["model"]) is policy and version in policy.versions:
+                return str(policy.version_key(version))
+        file = target.get("file")
+        if not file:
+            raise RequestError("the sampler weights are not ready yet")
+        key = self.loaded.get(file)
+        if key is None:
+            key = self._load(file, target)
+        return key
+
+    def _load(self, file: str, target: Mapping[str, Any]) -> str:
+        if not peft_io.weights_path(file).is_file():
+            raise RequestError("the sampler checkpoint's files are gone (deleted or expired)")
+        weights = peft_io.read_adapter(file, device=self.engine.device)
+        key = f"sampler:{uuid.uuid4().hex[:12]}"
+        self.engine.host.register(key, weights, LORA_ALPHA / int(target["rank"]), frozen=True)
+        self.loaded[file] = key
+        while len(self.loaded) > LOADED_SAMPLERS:
+            oldest = next(iter(self.loaded))
+            self.engine.host.unregister(self.loaded.pop(oldest))
+        return key

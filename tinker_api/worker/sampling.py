@@ -1,0 +1,180 @@
+"""The sampling requests of the model worker: one generation batch across adapters, and the
+prompt scoring (prompt logprobs, top-k, target logprobs, alternative draws) some ask for."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinker_api import futures, wire
+from tinker_api.worker.requests import Op, RequestError
+from tinker_api.worker.sampler_cache import SamplerCache
+from training.engine import Engine
+from training.policy import Policy
+from training.sampler import PromptScoring, generate, score_prompts
+from training.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SamplingHandler:
+    def __init__(
+        self, base: str, engine: Engine, policies: Mapping[str, Policy], samplers: SamplerCache
+    ) -> None:
+        self.base = base
+        self.engine = engine
+        self.policies = policies
+        self.samplers = samplers
+
+    def run(self, ops: list[Op]) -> None:
+        """Every sample request read so far, as one multi-adapter generation batch; a request
+        that cannot run fails alone."""
+        rows_prompts: list[list[int]] = []
+        rows_params: list[Any] = []
+        rows_keys: list[str | None] = []
+        rows_index: list[int] = []
+        rows_eos: list[bool] = []
+        rows_topk: list[int] = []
+        owners: list[tuple[Op, list[int], str | None, list[int]]] = []
+        try:
+            for op in ops:
+                f = op.fields
+                try:
+                    key = self.samplers.key(f["target"], self.policies)
+                    sp = f["params"]
+                    params = SamplingParams(
+                        max_tokens=int(sp["max_tokens"]),
+                        temperature=float(sp["temperature"]),
+                        top_p=float(sp["top_p"]),
+                        top_k=max(0, int(sp["top_k"])),
+                        seed=sp.get("seed"),
+                        stop=tuple(sp.get("stop_strings") or ()),
+                        stop_token_ids=tuple(sp.get("stop_ids") or ()),
+                    )
+                    prompt = [int(t) for t in f["prompt"]]
+                    self._check_vocabulary(prompt, f.get("targets"))
+                except (RequestError, ValueError, KeyError) as exc:
+                    futures.fail(op.rid, str(exc), "user")
+                    continue
+                rows = []
+                for j in range(int(f["n"])):
+                    rows.append(len(rows_prompts))
+                    rows_prompts.append(prompt)
+                    rows_params.append(params)
+                    rows_keys.append(key)
+                    rows_index.append(j)
+                    rows_eos.append(bool(sp.get("stop_on_eos", True)))
+                    rows_topk.append(int(sp.get("topk") or 0))
+                owners.append((op, rows, key, prompt))
+            if not owners:
+                return
+            try:
+                seqs = generate(
+                    self.engine.model,
+                    self.engine.tokenizer,
+                    rows_prompts,
+                    rows_params,
+                    adapters=rows_keys,
+                    host=self.engine.host,
+                    sample_indices=rows_index,
+                    stop_on_eos=rows_eos,
+                    topk_logprobs=rows_topk,
+                )
+                scored = self._score_prompts(owners)
+            except Exception as exc:
+                log.exception("sampling batch failed")
+                for op, *_ in owners:
+                    futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+                return
+            for op, rows, _key, _prompt in owners:
+                if op.fields.get("record"):
+                    team = str((futures.get(op.rid) or {}).get("team", ""))
+                    for j, i in enumerate(rows):
+                        futures.record_stability(
+                            team, f"{op.rid}:{j}", list(seqs[i].tokens), list(seqs[i].logprobs)
+                        )
+                out = [
+                    wire.SampledSequenceOut(
+                        tokens=seqs[i].tokens,
+                        stop_reason=seqs[i].stop_reason,
+                        logprobs=seqs[i].logprobs,
+                        topk_logprobs=seqs[i].topk_logprobs,
+                    )
+                    for i in rows
+                ]
+                extra = scored.get(id(op), {})
+                proto = wire.encode_sample_response(out, protobuf=True, **extra)
+                plain = wire.encode_sample_response(out, protobuf=False, **extra)
+                futures.complete(op.rid, json_body=plain.content, proto_body=proto.content)
+        finally:
+            futures.samples_answered(self.base, len(ops))
+
+    def _check_vocabulary(self, prompt: list[int], targets: list[list[int]] | None) -> None:
+        """Token ids beyond the vocabulary fail their own request, not the whole batch."""
+        model_config: Any = self.engine.model.config
+        vocab = int(model_config.vocab_size)
+        for where, ids in (("prompt", prompt), ("target_prompt_logprobs", targets or [])):
+            flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if flat.size and int(flat.max()) >= vocab:
+                raise RequestError(
+                    f"{where}: token id {int(flat.max())} is outside the vocabulary [0, {vocab})"
+                )
+
+    def _score_prompts(
+        self, owners: list[tuple[Op, list[int], str | None, list[int]]]
+    ) -> dict[int, dict[str, Any]]:
+        """One forward over the prompts of the requests that ask for prompt logprobs, top-k
+        prompt logprobs, target logprobs or alternative draws; per request (by ``id(op)``),
+        the keyword arguments of ``wire.encode_sample_response``."""
+        wants: list[tuple[Op, wire.PromptTargets | None]] = []
+        scorings: list[PromptScoring] = []
+        for op, _rows, key, prompt in owners:
+            f = op.fields
+            targets = None
+            if f.get("targets") is not None:
+                csr = f.get("targets_csr")
+                targets = wire.PromptTargets(
+                    ids=np.asarray(f["targets"], dtype=np.int64).reshape(len(prompt) - 1, -1),
+                    csr=None if csr is None else (list(csr[0]), list(csr[1])),
+                )
+            scoring = PromptScoring(
+                tokens=prompt,
+                adapter=key,
+                logprobs=bool(f.get("prompt_logprobs")),
+                topk=int(f.get("topk_prompt") or 0),
+                last_n=f.get("last_n"),
+                targets=None if targets is None else torch.from_numpy(targets.ids),
+                alt_k=int(f.get("alt_k") or 0),
+                temperature=float(f["params"]["temperature"]),
+                seed=f["params"].get("seed"),
+            )
+            if scoring.logprobs or scoring.topk or scoring.alt_k or targets is not None:
+                wants.append((op, targets))
+                scorings.append(scoring)
+        if not scorings:
+            return {}
+        results = score_prompts(self.engine.model, scorings, host=self.engine.host)
+        out: dict[int, dict[str, Any]] = {}
+        for (op, targets), scoring, res in zip(wants, scorings, results, strict=True):
+            extra: dict[str, Any] = {}
+            if scoring.logprobs:
+                extra["prompt_logprobs"] = res.logprobs
+            if scoring.topk:
+                extra["topk_prompt_logprobs"] = res.topk
+            if targets is not None and res.target_logprobs is not None:
+                data, csr = targets.answer(res.target_logprobs.numpy())
+                extra["target_prompt_logprobs"] = wire.TensorOut(
+                    data=data, shape=list(targets.ids.shape), csr=csr
+                )
+            if res.alt_tokens is not None and res.alt_logprobs is not None:
+                shape = list(res.alt_tokens.shape)
+                extra["prompt_alt_tokens"] = (
+                    wire.TensorOut(data=res.alt_tokens.numpy().astype(np.int64), shape=shape),
+                    wire.TensorOut(data=res.alt_logprobs.numpy().astype(np.float32), shape=shape),
+                )
+            out[id(op)] = extra
+        return out

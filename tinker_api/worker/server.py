@@ -1,0 +1,214 @@
+"""The serve loop of one base model: read the stream, schedule, run, until idle or stopped."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import torch
+from django.db import close_old_connections
+
+from tinker_api import futures
+from tinker_api.services import sessions
+from tinker_api.worker.handlers import TrainingHandlers
+from tinker_api.worker.ordering import SeqOrder
+from tinker_api.worker.policies import Policies
+from tinker_api.worker.requests import Op
+from tinker_api.worker.sampler_cache import SamplerCache
+from tinker_api.worker.sampling import SamplingHandler
+from training.engine import Engine
+from workers import conf, control
+
+# How often a worker looks for sessions that stopped heartbeating.
+REAP_SECONDS = 30.0
+# How often the serve loop asks whether its Celery worker is shutting down, and how long it
+# then keeps running the requests it has already read before it ends.
+STOP_CHECK_SECONDS = 1.0
+STOP_DRAIN_SECONDS = 10.0
+
+
+def idle_seconds() -> int:
+    """A worker with nothing to do for this long gives its GPU block back."""
+    return conf.int_setting("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", minimum=1)
+
+
+def session_timeout() -> int:
+    """A session silent this long (the SDK heartbeats every 10 s) is over: its models go."""
+    return conf.int_setting("OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", minimum=10)
+
+
+def torch_threads() -> int:
+    return conf.int_setting("OPENTINKER_TINKER_TORCH_THREADS", minimum=1)
+
+
+def gather_seconds(device: str) -> float:
+    """How long a ready forward/backward waits for the next request of other active models
+    that have nothing queued, so that it joins the same batched call (0: never wait). By
+    default only on an accelerator: on a CPU a forward/backward costs its arithmetic, so
+    four adapters batched cost what four calls cost, and the wait would be pure delay."""
+    if conf.setting("OPENTINKER_TINKER_GATHER_MS") is None:
+        return 0.0 if device == "cpu" else 0.003
+    return conf.int_setting("OPENTINKER_TINKER_GATHER_MS", minimum=0) / 1000.0
+
+
+class ModelWorker:
+    """Serves every model of one base model from one ``Engine``."""
+
+    def __init__(self, base: str, base_path: str, device: str, worker_id: str) -> None:
+        if device == "cpu":
+            torch.set_num_threads(torch_threads())
+        self.base = base
+        self.worker_id = worker_id
+        self.engine = Engine(base_path, device=device)
+        self.policies = Policies(self.engine)
+        self.samplers = SamplerCache(self.engine)
+        self.order = SeqOrder(worker_id)
+        self.training = TrainingHandlers(self.policies, self.samplers)
+        self.sampling = SamplingHandler(base, self.engine, self.policies, self.samplers)
+        self.samples: list[Op] = []
+        self.gather = gather_seconds(device)
+        self.last_activity = time.monotonic()
+        self.stopping = threading.Event()
+
+    # ---------------------------------------------------------------- reading
+
+    def read(self, block_ms: int) -> int:
+        r = conf.get_redis()
+        got = r.xreadgroup(
+            futures.GROUP,
+            self.worker_id,
+            {futures.stream_key(self.base): ">"},
+            count=512,
+            block=block_ms or None,
+        )
+        ops: list[Op] = []
+        claims: list[tuple[Any, str]] = []
+        for _stream, entries in got or []:
+            for entry_id, raw in entries:
+                fields = {k.decode(): v for k, v in raw.items()}
+                op = Op(
+                    fields=json.loads(fields["op"]),
+                    body=fields.get("body"),
+                )
+                ops.append(op)
+                claims.append((entry_id, op.rid))
+        futures.claim_entries(self.base, self.worker_id, claims)
+        for op in ops:
+            self._accept(op)
+        if ops:
+            self.last_activity = time.monotonic()
+        return len(ops)
+
+    def _accept(self, op: Op) -> None:
+        if op.kind == "sample":
+            self.samples.append(op)
+            return
+        if op.kind == "close":
+            self.close_models(op.fields["models"], "has finished")
+            futures.complete(op.rid, json_body=b"{}")
+            return
+        self.order.accept(op)
+
+    def close_models(self, models: list[str], why: str) -> None:
+        """The session of these models ended: drop their queued work (a seq_id gap left by
+        a failed client-side custom loss ends here too) and free their weights."""
+        for model in models:
+            for queued in self.order.drop(model):
+                futures.fail(queued.rid, f"the session of {model} {why}", "user")
+            policy = self.policies.remove(model)
+            if policy is not None:
+                self.samplers.forget(policy)
+
+    def reap_sessions(self) -> list[str]:
+        """End the sessions of this worker's models that stopped heartbeating (their client
+        is gone) and close those models; returns the closed model ids."""
+        held = set(self.policies) | set(self.order.pending)
+        if not held:
+            return []
+        close_old_connections()
+        gone = sessions.end_silent_sessions(held, session_timeout())
+        self.close_models(gone, "stopped heartbeating")
+        return gone
+
+    def has_runnable(self) -> bool:
+        return bool(self.samples) or self.order.has_runnable()
+
+    # ---------------------------------------------------------------- scheduling
+
+    def gather_batch(self) -> None:
+        """Hold a ready forward/backward for up to ``gather_seconds()`` while other active
+        models have nothing queued: their next request (a client a few milliseconds behind)
+        then runs in the same batched call instead of waiting for this one to finish."""
+        if self.gather <= 0:
+            return
+        deadline = time.monotonic() + self.gather
+        while not self.samples and self.order.awaiting_others():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.read(max(1, round(left * 1000))):
+                return
+
+    def step(self) -> bool:
+        """Run what is ready; True if anything ran."""
+        progressed = False
+        if self.samples:
+            batch, self.samples = self.samples, []
+            self.sampling.run(batch)
+            progressed = True
+        ready = self.order.take_ready()
+        for op in ready.singles:
+            self.training.run_single(op)
+            self.order.advance(op.model, op.seq + 1)
+            progressed = True
+        if ready.optims:
+            self.training.run_optims(ready.optims)
+            progressed = True
+        for forward_only, ops in ready.fwdbwd.items():
+            if ops:
+                self.training.run_fwdbwd(ops, forward_only)
+                progressed = True
+        if progressed:
+            self.last_activity = time.monotonic()
+        return progressed
+
+    # ---------------------------------------------------------------- shutdown
+
+    def fail_everything(self, reason: str) -> None:
+        for op in self.order.queued():
+            futures.fail(op.rid, reason)
+        for op in self.samples:
+            futures.fail(op.rid, reason)
+        futures.samples_answered(self.base, len(self.samples))
+        self.order.pending.clear()
+        self.samples = []
+
+    def drain(self, seconds: float) -> None:
+        """Run what has been read and is runnable, for at most ``seconds``; requests still in
+        the stream stay there for the next worker of this base model."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.has_runnable() and self.step():
+            pass
+
+    def serve(self) -> str:
+        """Run until idle for ``idle_seconds()`` or stopped; returns why it ended."""
+        idle = idle_seconds()
+        next_reap = time.monotonic() + REAP_SECONDS
+        next_stop_check = time.monotonic() + STOP_CHECK_SECONDS
+        while not self.stopping.is_set():
+            if time.monotonic() > next_reap:
+                next_reap = time.monotonic() + REAP_SECONDS
+                self.reap_sessions()
+            if time.monotonic() > next_stop_check:
+                next_stop_check = time.monotonic() + STOP_CHECK_SECONDS
+                if control.is_stopping():
+                    self.drain(STOP_DRAIN_SECONDS)
+                    return "shutdown"
+            self.read(0 if self.has_runnable() else 200)
+            self.gather_batch()
+            if self.step():
+                continue
+            quiet = not self.order.pending and not self.samples
+            if quiet and time.monotonic() - self.last_activity > idle:
+                return "idle"
+        return "stopped"
