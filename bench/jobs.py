@@ -199,8 +199,8 @@ def measure_metric_writes(job_id: str, per_write: int) -> tuple[float, float]:
 def run_in_process(engine: Any, spec_data: dict[str, Any], n: int) -> tuple[float, float]:
     """(seconds for building the loop and running it, tokens sampled)."""
     from jobs.spec import parse_spec
-    from workers.runners.loop import TrainingLoop
     from workers.runners.inputs import dataset_rows
+    from workers.runners.loop import TrainingLoop
 
     spec = parse_spec(spec_data)
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:

@@ -85,7 +85,7 @@ def _sympy_value(s: str):  # returns a sympy expression or None
         standard_transformations,
     )
 
-    transformations = standard_transformations + (convert_xor, implicit_multiplication_application)
+    transformations = (*standard_transformations, convert_xor, implicit_multiplication_application)
     local = {name: sympy.Symbol(name) for name in ("x", "y", "n")}
     local.update({"pi": sympy.pi, "e": sympy.E, "i": sympy.I, "sqrt": sympy.sqrt})
     try:

@@ -18,6 +18,7 @@ Two isolation modes, picked by `SandboxLimits.isolation` ("auto" picks the stron
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -53,7 +54,7 @@ class SandboxLimits:
     memory_bytes: int = 512 * 1024**2
     """RLIMIT_AS (address space) of every process."""
     max_processes: int = 16
-    """Processes and threads the run may have at once (RLIMIT_NPROC on its own uid + pids cgroup)."""
+    """Processes and threads the run may have at once (RLIMIT_NPROC on its own uid, pids cgroup)."""
     file_size_bytes: int = 8 * 1024**2
     """RLIMIT_FSIZE: largest file the code may write."""
     work_dir_bytes: int = 16 * 1024**2
@@ -293,10 +294,8 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
         return result
     finally:
         for fd in (status_r, status_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         _remove_cgroup(cgroup)
         shutil.rmtree(host_tmp, ignore_errors=True)
 
@@ -370,10 +369,8 @@ def _supervise(
 def _kill_group(proc: subprocess.Popen) -> None:
     # The launcher leads its own session; its namespace child dies with it (PDEATHSIG), and the
     # kernel then kills every process in that pid namespace.
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _read_status(fd: int) -> dict:

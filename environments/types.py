@@ -101,7 +101,7 @@ class Episode(abc.ABC):
         self._done = result.done
         return result
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook: most episodes hold nothing to release)
         """Release resources and wake anything waiting on this episode (self-play)."""
 
     def end(self) -> None:

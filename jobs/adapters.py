@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from training import peft_io
 
 if TYPE_CHECKING:
     from training.policy import Policy
@@ -27,16 +27,14 @@ def load_peft_adapter(policy: Policy, adapter_dir: Path) -> None:
     The policy must have been created with the adapter's rank and targets (those of the job
     that trained it); any missing, extra or misshapen tensor is an error, not a partial load.
     """
-    from safetensors.torch import load_file
+    # The web process imports this module with the API's URLs; torch loads only when an
+    # adapter is actually read.
+    import torch
 
     if policy.is_full_finetune:
         raise AdapterMismatch("a PEFT adapter loads into a LoRA policy, not a full fine-tuning one")
-    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    expected = {
-        f"base_model.model.{name}.lora_{part}.weight"
-        for name in policy.lora_weights
-        for part in ("A", "B")
-    }
+    tensors = peft_io.read_adapter_tensors(adapter_dir)
+    expected = peft_io.peft_keys(policy.lora_weights)
     if set(tensors) != expected:
         missing = sorted(expected - set(tensors))[:3]
         extra = sorted(set(tensors) - expected)[:3]
@@ -44,7 +42,7 @@ def load_peft_adapter(policy: Policy, adapter_dir: Path) -> None:
     with torch.no_grad():
         for name, (a, b) in policy.lora_weights.items():
             for param, part in ((a, "A"), (b, "B")):
-                value = tensors[f"base_model.model.{name}.lora_{part}.weight"]
+                value = tensors[peft_io.peft_key(name, part)]
                 if value.shape != param.shape:
                     raise AdapterMismatch(
                         f"{name}.lora_{part}: adapter shape {tuple(value.shape)} != "

@@ -25,6 +25,8 @@ from typing import IO, Any
 
 from django.conf import settings
 
+from training import peft_io
+
 CHECKPOINT_INDEX = "checkpoints.jsonl"
 CHECKPOINT_STATE = "state.pt"
 # Where the verl runner points verl's trainer.default_local_dir, relative to the workdir.
@@ -137,7 +139,7 @@ def checkpoint_download(job_id: Any, name: str) -> Path | None:
 def adapter_dir(job_id: Any) -> Path | None:
     """The job's final PEFT adapter directory, once the run has exported it."""
     path = workdir(job_id) / "adapter"
-    return path if (path / "adapter_model.safetensors").is_file() else None
+    return path if peft_io.weights_path(path).is_file() else None
 
 
 def artifacts(job_id: Any) -> list[dict[str, Any]]:

@@ -281,7 +281,6 @@ def resolve_dataset_ref(ref: str) -> Path:
     """The file behind a stored job spec's ``dataset``: ``builtin:<name>`` (shipped with
     ``environments``) or ``dataset:<uuid>`` (an upload). Raises ``LookupError``."""
     if ref.startswith(BUILTIN_REF_PREFIX):
-
         try:
             return resolve(ref)
         except DatasetValidationError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from environments.renderer import Renderer
+from training import peft_io
 
 from . import artifacts
 from .adapters import load_peft_adapter
@@ -48,7 +49,7 @@ class BadSampleRequest(ValueError):
 def _policy_for(job: Job, spec: JobSpec, engine: Engine, adapter: Path) -> str:
     """The registered policy holding the job's adapter, loaded on first use."""
     # The file's mtime is part of the key: a re-exported adapter is loaded again.
-    key = (str(job.pk), (adapter / "adapter_model.safetensors").stat().st_mtime_ns)
+    key = (str(job.pk), peft_io.weights_path(adapter).stat().st_mtime_ns)
     cached = _ADAPTERS.get(key)
     if cached is not None and cached[0] in engine.policies:
         _ADAPTERS.move_to_end(key)

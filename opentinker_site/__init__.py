@@ -1,4 +1,4 @@
-"""The OpenTinker Django project. Importing it loads the Celery app so ``shared_task`` binds to it."""
+"""The OpenTinker Django project. Importing it loads the Celery app, so ``shared_task`` binds."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import os
 
 from celery import Celery
 
-from workers.celeryconf import celery_settings, node_queue
+from workers.celeryconf import celery_settings
 
 # Before the app exists: Celery installs its Django fixup (django.setup() in the worker) only
 # when it sees this variable at construction.
@@ -24,6 +24,4 @@ app.add_defaults(celery_settings)
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
-# node_queue: TRANSITIONAL for tinker_api/services.py, which should import it from
-# workers.celeryconf.
-__all__ = ["app", "node_queue"]
+__all__ = ["app"]

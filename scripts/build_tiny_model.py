@@ -301,8 +301,11 @@ def main() -> None:
     report = {
         "seed": SEED,
         "command": " ".join(
-            ["python scripts/build_tiny_model.py", f"--threads {args.threads}"]
-            + [f"--answer-format {args.answer_format}"]
+            [
+                "python scripts/build_tiny_model.py",
+                f"--threads {args.threads}",
+                f"--answer-format {args.answer_format}",
+            ]
         ),
         "answer_format": args.answer_format,
         "parameters": n_params,

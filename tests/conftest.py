@@ -20,6 +20,7 @@ LIVE_FIXTURES = {
     "celery_worker",
     "live_server",
     "env_worker_process",
+    "env_worker",
 }
 LIVE_DIRECTORIES = {"e2e"}
 

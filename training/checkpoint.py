@@ -69,7 +69,7 @@ class CheckpointDir:
         return records[-1] if records else None
 
     def resume(self, policy: Policy) -> dict[str, Any] | None:
-        """Load the latest checkpoint into `policy`; returns its record, or None if there is none."""
+        """Load the latest checkpoint into `policy`; its record, or None if there is none."""
         record = self.latest()
         if record is not None:
             policy.load_state(record["path"])

@@ -57,7 +57,7 @@ class Engine:
         # policy registers weights only on its own targets.
         wrapped = resolve_target_modules(model, ALL_LINEAR)
         head = output_layer_name(model)
-        self.host = LoRAHost(model, wrapped + [head] if head else wrapped)
+        self.host = LoRAHost(model, [*wrapped, head] if head else wrapped)
         self.policies: dict[str, Policy] = {}
         self._counter = itertools.count()
 

@@ -92,7 +92,7 @@ def cross_entropy(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
 
 
 def importance_sampling(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
-    """-sum(exp(logprob - sampler_logprob) * advantage): the off-policy-corrected policy gradient."""
+    """-sum(exp(logprob - sampler_logprob) * advantage): the off-policy-corrected gradient."""
     _config(config, "importance_sampling", {})
     log_ratio, advantages, mask = _rl_common(batch, "importance_sampling")
     per_token = -torch.exp(log_ratio) * advantages * mask
@@ -122,7 +122,7 @@ def ppo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
 
 
 def cispo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
-    """-sum(sg(clip(ratio, low, high)) * A * logprob): clipped IS weight, every token keeps a grad."""
+    """-sum(sg(clip(ratio, low, high)) * A * logprob): clipped IS weight; every token has a grad."""
     cfg = _config(config, "cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     if not 0 <= low <= 1 <= high:
@@ -154,9 +154,10 @@ def dro(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
 def gspo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     """Sequence-level clipped ratio (GSPO): s = exp(mean log ratio over the row's masked tokens).
 
-    `sequence_ratio_mask` (optional) restricts the tokens that enter s. Token t of row i uses s_i * exp(logprob - sg(logprob)) (value s_i, gradient of its own
-    logprob), clipped at the sequence level and divided by the row's token count, so summing over
-    tokens gives one term per sequence.
+    `sequence_ratio_mask` (optional) restricts the tokens that enter s. Token t of row i uses
+    s_i * exp(logprob - sg(logprob)) (value s_i, gradient of its own logprob), clipped at the
+    sequence level and divided by the row's token count, so summing over tokens gives one term
+    per sequence.
     """
     cfg = _config(config, "gspo", {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4})
     low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]

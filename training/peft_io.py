@@ -8,7 +8,6 @@ from module name to its ``(A, B)`` pair, as ``LoRAHost`` and ``Policy.lora_weigh
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,11 +90,6 @@ def read_adapter(
     return from_peft_tensors(read_adapter_tensors(adapter_dir, device))
 
 
-def read_adapter_config(adapter_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    config: dict[str, Any] = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
-    return config
-
-
 def write_adapter_weights(
     out_dir: str | os.PathLike[str],
     weights: LoraPairs,
@@ -103,7 +97,7 @@ def write_adapter_weights(
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``adapter_model.safetensors`` into ``out_dir`` (created if missing); the config
-    is the caller's (``write_adapter`` or peft's own ``LoraConfig.save_pretrained``)."""
+    is peft's own (``LoraConfig.save_pretrained``), written by the caller."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -113,17 +107,4 @@ def write_adapter_weights(
         str(out / WEIGHTS_FILE),
         metadata=None if metadata is None else dict(metadata),
     )
-    return out
-
-
-def write_adapter(
-    out_dir: str | os.PathLike[str],
-    weights: LoraPairs,
-    config: Mapping[str, Any],
-    *,
-    metadata: Mapping[str, str] | None = None,
-) -> Path:
-    """Write a whole adapter directory: ``config`` as ``adapter_config.json`` and the weights."""
-    out = write_adapter_weights(out_dir, weights, metadata=metadata)
-    (out / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
     return out

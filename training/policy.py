@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from training import peft_io
 from training.lora import ALL_LINEAR, LoRAHost, resolve_target_modules, unwrap_linears
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class Policy:
                 raise ValueError(f"{name} is not wrapped by the engine's LoRA host")
             device = module.weight.device
             a = torch.empty(self.config.rank, module.in_features)
-            # Same initialisation as peft: A Kaiming-uniform, B zero (the adapter starts as a no-op).
+            # Same initialisation as peft: A Kaiming-uniform, B zero (the adapter starts a no-op).
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
             b = torch.zeros(module.out_features, self.config.rank)
             self.lora_weights[name] = (
@@ -307,7 +308,6 @@ class Policy:
         `PeftModel.from_pretrained` and vLLM's LoRA loader both read.
         """
         from peft import LoraConfig
-        from safetensors.torch import save_file
 
         weights = self.version_weights(version)
         out = Path(out_dir)
@@ -323,16 +323,9 @@ class Policy:
             base_model_name_or_path=self.base_model_name,
         )
         peft_config.save_pretrained(str(out))
-        tensors = {}
-        for name, (a, b) in weights.items():
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a.detach().cpu().contiguous()
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b.detach().cpu().contiguous()
-        save_file(
-            tensors,
-            str(out / "adapter_model.safetensors"),
-            metadata={"format": "pt", "policy_id": self.id, "version": str(version)},
+        return peft_io.write_adapter_weights(
+            out, weights, metadata={"format": "pt", "policy_id": self.id, "version": str(version)}
         )
-        return out
 
     def export_full(self, version: int, out_dir: str | os.PathLike[str]) -> Path:
         """Write a full fine-tuning version in Hugging Face format (config + safetensors)."""

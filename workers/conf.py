@@ -145,13 +145,3 @@ def node_name() -> str:
 
 def cpu_slots() -> int:
     return int_setting("OPENTINKER_CPU_SLOTS", minimum=1)
-
-
-# TRANSITIONAL-ALIASES (removed once every caller uses setting()/int_setting())
-def _setting(name: str, default: Any = None) -> Any:
-    value = getattr(settings, name, None)
-    return default if value is None or value == "" else value
-
-
-def _int_setting(name: str, default: int, *, minimum: int) -> int:
-    return int_setting(name, minimum=minimum)

@@ -120,8 +120,3 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
 @shared_task(name=REAP_TASK, ignore_result=True)
 def reap() -> dict[str, Any]:
     return control.reap()
-
-
-# TRANSITIONAL: tinker_api/modelworker.py imports the old private name; it should use
-# workers.devices.lease_devices.
-_devices = lease_devices

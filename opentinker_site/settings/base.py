@@ -106,7 +106,9 @@ def read_index_groups(name: str) -> str:
 def _check_indices(name: str, raw: str) -> None:
     parts = [p for p in raw.replace(" ", "").split(",") if p != ""]
     if not all(p.isdigit() for p in parts) or len(set(map(int, parts))) != len(parts):
-        raise ImproperlyConfigured(f"{name} must list distinct GPU indices like '0,1,2', got {raw!r}.")
+        raise ImproperlyConfigured(
+            f"{name} must list distinct GPU indices like '0,1,2', got {raw!r}."
+        )
 
 
 def read_command(name: str) -> str:
@@ -173,9 +175,7 @@ OPENTINKER_KEY_ROTATION_GRACE_HOURS = read_int(
 OPENTINKER_JOB_LEASE_SECONDS = read_int("OPENTINKER_JOB_LEASE_SECONDS", 30, minimum=3)
 OPENTINKER_MAX_ATTEMPTS = read_int("OPENTINKER_MAX_ATTEMPTS", 3, minimum=1, maximum=100)
 # Largest dataset file an upload may store (bytes); bigger uploads are refused with 413.
-OPENTINKER_MAX_DATASET_BYTES = read_int(
-    "OPENTINKER_MAX_DATASET_BYTES", 50 * 1024 * 1024, minimum=1
-)
+OPENTINKER_MAX_DATASET_BYTES = read_int("OPENTINKER_MAX_DATASET_BYTES", 50 * 1024 * 1024, minimum=1)
 
 # Scheduling: a queued job's priority rises by one per AGING_SECONDS of waiting; a blocked job
 # lets smaller ones backfill for BACKFILL_WINDOW_SECONDS before it reserves the pool.
@@ -204,7 +204,9 @@ OPENTINKER_ONEDNN_LINEAR = read_bool("OPENTINKER_ONEDNN_LINEAR", True)
 OPENTINKER_TINKER_MAX_MODELS_PER_TEAM = read_int(
     "OPENTINKER_TINKER_MAX_MODELS_PER_TEAM", 64, minimum=0
 )
-OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = read_int("OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT", 256, minimum=1)
+OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = read_int(
+    "OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT", 256, minimum=1
+)
 OPENTINKER_TINKER_LONG_POLL_SECONDS = read_int(
     "OPENTINKER_TINKER_LONG_POLL_SECONDS", 10, minimum=0, maximum=300
 )

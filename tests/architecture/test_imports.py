@@ -53,7 +53,9 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
                     counter += 1
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                    work.append(
+                        (child, iter(sorted(graph.find_modules_directly_imported_by(child))))
+                    )
                     break
                 if child in on_stack:
                     low[node] = min(low[node], index[child])
@@ -96,7 +98,10 @@ def test_it_detects_a_cycle_when_there_is_one() -> None:
 def test_it_keeps_the_import_linter_contracts() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "client")}
     # The interpreter running the tests, not whichever lint-imports is first on PATH.
-    command = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
+    command = (
+        "import sys; from importlinter.cli import lint_imports; "
+        "sys.exit(lint_imports(no_cache=True))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", command], cwd=ROOT, env=env, capture_output=True, text=True
     )

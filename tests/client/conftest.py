@@ -48,8 +48,9 @@ def client_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def cli(client_config: Path) -> Callable[..., CliResult]:
     """Run ``opentinker ARGS`` in process; ``env`` adds environment variables."""
-    from opentinker.cli import app
     from typer.testing import CliRunner
+
+    from opentinker.cli import app
 
     def run(*args: str, env: dict[str, str] | None = None, input: str | None = None) -> CliResult:
         runner = CliRunner()

@@ -6,6 +6,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from opentinker import config
 from opentinker.errors import ConfigError
 

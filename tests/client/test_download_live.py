@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from opentinker import Client
 from opentinker.errors import NotFound
 

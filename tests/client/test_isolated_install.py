@@ -114,7 +114,8 @@ def test_it_installs_without_django_or_torch(client_venv: Path) -> None:
         client_venv,
         py,
         "-c",
-        "import importlib.metadata as m; print(sorted(d.metadata['Name'].lower() for d in m.distributions()))",
+        "import importlib.metadata as m; "
+        "print(sorted(d.metadata['Name'].lower() for d in m.distributions()))",
     )
     names = set(json.loads(installed.stdout.replace("'", '"')))
     assert "opentinker-client" in names

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from opentinker.errors import SpecError
 from opentinker.spec import apply_overrides, check_spec, load_yaml, shipped_schema
 

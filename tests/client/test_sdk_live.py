@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import opentinker
 import pytest
+
+import opentinker
 from opentinker import Client
 from opentinker.errors import AuthError, Conflict, NotFound, ValidationError
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from opentinker import Client, fit
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.django_db(transaction=True)]

@@ -73,7 +73,7 @@ def server(
     monkeypatch.setenv("TINKER_BASE_URL", live_server.url + "/")
     register_tokenizer(BASE_NAME, lambda: AutoTokenizer.from_pretrained(str(base_model_dir)))
     start_worker()
-    yield live_server.url + "/"
+    return live_server.url + "/"
 
 
 def _rows(kind: str | None = None, limit: int = 400) -> list[dict[str, str]]:
@@ -315,7 +315,8 @@ RL_EDITS = [
     # GSM8K's prompt dressing (an instruction suffix and a one-shot example about strawberries)
     # belongs to that dataset; our problems carry their own instruction.
     (
-        'question_suffix = " Provide a numerical answer without units, written inside \\\\boxed{}."',
+        'question_suffix = " Provide a numerical answer without units, '
+        'written inside \\\\boxed{}."',
         'question_suffix = ""',
     ),
     ("        *convo_prefix,\n", ""),
@@ -346,7 +347,7 @@ def test_it_runs_the_sl_loop_recipe_on_local_data_and_the_loss_falls(
         }
     )
     ns["LOCAL_RENDERER"] = RENDERER
-    exec(compile(source, "sl_loop.py", "exec"), ns)  # noqa: S102 - the recipe under test, edited
+    exec(compile(source, "sl_loop.py", "exec"), ns)
     log_path = tmp_path / "sl-loop"
     ns["main"](
         ns["Config"](
@@ -387,7 +388,7 @@ def test_it_runs_the_rl_loop_recipe_with_stable_reinforce_and_the_reward_rises(
         }
     )
     ns["LOCAL_RENDERER"] = RENDERER
-    exec(compile(source, "rl_loop.py", "exec"), ns)  # noqa: S102 - the recipe under test, edited
+    exec(compile(source, "rl_loop.py", "exec"), ns)
     log_path = tmp_path / "rl-loop"
     config = ns["Config"](
         base_url=server,

@@ -20,7 +20,6 @@ from tests.tinker_api.conftest import BASE_NAME
 from tinker_api import futures
 from tinker_api.models import TinkerSession
 
-
 pytestmark = pytest.mark.usefixtures("clean_tinker_keys")
 
 

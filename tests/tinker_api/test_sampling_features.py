@@ -160,7 +160,7 @@ def test_it_reads_every_stop_form_the_sdk_sends() -> None:
     with pytest.raises(wire.WireError, match="must not be negative"):
         stop_of([-3])
     # A list mixing strings and ids is none of the SDK's forms.
-    with pytest.raises(wire.WireError, match="invalid SampleRequest: sampling_params.stop"):
+    with pytest.raises(wire.WireError, match=r"invalid SampleRequest: sampling_params\.stop"):
         wire.parse_json(
             s.SampleRequest,
             b'{"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},'
@@ -389,7 +389,7 @@ def test_it_trains_lora_on_the_unembedding_and_samples_with_it(
     with service_client(server, owner_key[1]) as service:
         # The SDK itself refuses a config that trains nothing; an optimizer family this
         # server does not run is refused at creation, not at the first optim_step.
-        with pytest.raises(tinker.BadRequestError, match="optimizer_config.type 'dimuon'"):
+        with pytest.raises(tinker.BadRequestError, match=r"optimizer_config\.type 'dimuon'"):
             service.create_lora_training_client(
                 base_model=BASE_NAME, rank=4, optimizer=types.DimuonOptimizerConfig()
             ).result()
@@ -422,7 +422,7 @@ def test_it_trains_lora_on_the_unembedding_and_samples_with_it(
         base = service.create_sampling_client(base_model=BASE_NAME).result()
         for datum, lp in zip(data, trained, strict=True):
             last = int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])
-            tokens = datum.model_input.to_ints() + [last]
+            tokens = [*datum.model_input.to_ints(), last]
             scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
             # The sampler applies the head adapter exactly as the training forward does.
             np.testing.assert_allclose(scored[1:], lp, atol=1e-4)

@@ -42,7 +42,7 @@ def server(
     monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
     monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "5")
     start_worker()
-    yield live_server.url + "/"
+    return live_server.url + "/"
 
 
 def service_client(url: str, plaintext_key: str) -> Any:
@@ -55,7 +55,7 @@ def rest_client(url: str, plaintext_key: str) -> Any:
 
 def sft_datum(tokenizer: Any, prompt: str, answer: str) -> types.Datum:
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
     tokens = prompt_ids + answer_ids
     weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(answer_ids)
     return types.Datum(

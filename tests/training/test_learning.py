@@ -110,7 +110,8 @@ def test_it_lowers_heldout_loss_and_raises_accuracy_with_sft(engine: Engine) -> 
     loss_after = heldout_loss()
     acc_after = mean_reward(engine, "sft", policy.snapshot(), heldout, greedy, 1)
     print(
-        f"sft held-out loss {loss_before:.3f} -> {loss_after:.3f}, acc {acc_before:.2f} -> {acc_after:.2f}"
+        f"sft held-out loss {loss_before:.3f} -> {loss_after:.3f}, "
+        f"acc {acc_before:.2f} -> {acc_after:.2f}"
     )
     assert loss_after < 0.8 * loss_before
     assert acc_after >= acc_before + 0.1

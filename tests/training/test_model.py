@@ -53,7 +53,7 @@ def test_it_loads_in_another_dtype(tiny):
 def test_it_refuses_missing_models_and_bad_dtypes(tmp_path):
     with pytest.raises(ModelNotFound, match="no directory"):
         load_base(tmp_path / "nothing-here")
-    with pytest.raises(ModelNotFound, match="config.json"):
+    with pytest.raises(ModelNotFound, match=r"config\.json"):
         load_base(tmp_path)
     with pytest.raises(ValueError, match="dtype"):
         load_base("tiny", device="cpu", dtype="float8")

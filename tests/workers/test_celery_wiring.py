@@ -27,7 +27,7 @@ from workers.processes import stop_process_group
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "plainnode"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.live, pytest.mark.timeout(120)]
 
 
 def test_it_makes_a_plain_celery_gpu_worker_complete(

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from jobs.models import Job
 from workers import conf
-from workers.dispatcher import queued_candidates, admission_order
+from workers.dispatcher import admission_order, queued_candidates
 from workers.inventory import lock_table
 
 
