@@ -10,21 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import grimp
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = (
-    "opentinker_site",
-    "accounts",
-    "jobs",
-    "workers",
-    "environments",
-    "training",
-    "tinker_api",
-    "web",
-)
+from tests.architecture import PACKAGES, ROOT
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:

@@ -12,17 +12,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVER_PACKAGES = (
-    "opentinker_site",
-    "accounts",
-    "jobs",
-    "workers",
-    "environments",
-    "tinker_api",
-    "web",
-    "training",
-)
+from tests.architecture import PACKAGES, ROOT
+
 NAME = re.compile(r"\bOPENTINKER_[A-Z0-9_]*[A-Z0-9]\b")
 # Not settings: a marker string inside rendered prompts.
 NOT_SETTINGS = {"OPENTINKER_ACTION"}
@@ -35,7 +26,7 @@ ENV_READ = re.compile(
 def _server_sources() -> list[Path]:
     return [
         path
-        for package in SERVER_PACKAGES
+        for package in PACKAGES
         for path in sorted((ROOT / package).rglob("*.py"))
         if "migrations" not in path.parts
     ]
@@ -65,6 +56,18 @@ def test_it_reads_opentinker_variables_from_the_environment_only_in_settings() -
     assert not readers, "environment read outside settings: " + ", ".join(readers)
 
 
+def _manage_py_check(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **extra_env, "DJANGO_SETTINGS_MODULE": "opentinker_site.settings.test"}
+    return subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize(
     "variable, value, reason",
     [
@@ -84,28 +87,12 @@ def test_it_reads_opentinker_variables_from_the_environment_only_in_settings() -
 def test_it_fails_manage_py_check_naming_the_bad_variable(
     variable: str, value: str, reason: str
 ) -> None:
-    env = {**os.environ, variable: value, "DJANGO_SETTINGS_MODULE": "opentinker_site.settings.test"}
-    result = subprocess.run(
-        [sys.executable, "manage.py", "check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _manage_py_check({variable: value})
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     assert "ImproperlyConfigured" in last_line and variable in last_line and reason in last_line
 
 
 def test_it_passes_manage_py_check_with_the_defaults() -> None:
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "opentinker_site.settings.test"}
-    result = subprocess.run(
-        [sys.executable, "manage.py", "check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _manage_py_check({})
     assert result.returncode == 0, result.stderr
