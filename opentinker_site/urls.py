@@ -16,6 +16,11 @@ def healthz(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": "ok"})
 
 
+handler400 = "opentinker_site.errors.bad_request"
+handler403 = "opentinker_site.errors.permission_denied"
+handler404 = "opentinker_site.errors.page_not_found"
+handler500 = "opentinker_site.errors.server_error"
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("opentinker_site.api")),

@@ -9,6 +9,8 @@ import yaml
 from django import forms
 
 from accounts.models import Membership, Team
+from accounts.parsers import MAX_JSON_DEPTH, json_depth
+from accounts.validators import validate_display_name
 from environments.datasets import builtin_names
 from environments.registry import env_names, get_env
 from jobs.models import BaseModel, Dataset
@@ -44,7 +46,12 @@ def dataset_choices(team: Team | None) -> list[tuple[str, Any]]:
 class JobForm(forms.Form):
     """Name, method and pickers, followed by the JobSpec's own fields."""
 
-    name = forms.CharField(max_length=200, required=False, help_text="Shown in the jobs list.")
+    name = forms.CharField(
+        max_length=200,
+        required=False,
+        help_text="Shown in the jobs list.",
+        validators=[validate_display_name],
+    )
     method = forms.ChoiceField(
         choices=[(m, m) for m in METHOD_HELP],
         initial="smoke",
@@ -64,7 +71,10 @@ class JobForm(forms.Form):
         help_text="JSON Lines or Parquet, validated against the environment's columns.",
     )
     dataset_name = forms.CharField(
-        required=False, max_length=200, help_text="Name of the uploaded dataset in your team."
+        required=False,
+        max_length=200,
+        help_text="Name of the uploaded dataset in your team.",
+        validators=[validate_display_name],
     )
 
     def __init__(self, *args: Any, team: Team | None = None, **kwargs: Any) -> None:
@@ -105,7 +115,7 @@ class JobForm(forms.Form):
 
 
 class YamlJobForm(forms.Form):
-    name = forms.CharField(max_length=200, required=False)
+    name = forms.CharField(max_length=200, required=False, validators=[validate_display_name])
     spec_yaml = forms.CharField(
         label="Job spec (YAML or JSON)",
         widget=forms.Textarea(attrs={"rows": 14, "spellcheck": "false"}),
@@ -123,8 +133,13 @@ class YamlJobForm(forms.Form):
         except yaml.YAMLError as exc:
             self.add_error("spec_yaml", f"not valid YAML: {exc}")
             return data
+        except RecursionError:
+            spec = None
         if not isinstance(spec, dict):
             self.add_error("spec_yaml", "the spec must be a mapping such as `method: smoke`")
+            return data
+        if json_depth(spec) > MAX_JSON_DEPTH:
+            self.add_error("spec_yaml", f"the spec is nested deeper than {MAX_JSON_DEPTH} levels")
             return data
         data["spec"] = spec
         return data
@@ -135,7 +150,9 @@ class YamlJobForm(forms.Form):
 
 
 class KeyForm(forms.Form):
-    name = forms.CharField(max_length=100, help_text="e.g. laptop, ci, notebook")
+    name = forms.CharField(
+        max_length=100, help_text="e.g. laptop, ci, notebook", validators=[validate_display_name]
+    )
     expires_in_days = forms.IntegerField(
         required=False, min_value=1, max_value=3650, help_text="Leave empty for no expiry."
     )
@@ -151,7 +168,7 @@ class RoleForm(forms.Form):
 
 
 class DatasetForm(forms.Form):
-    name = forms.CharField(max_length=200)
+    name = forms.CharField(max_length=200, validators=[validate_display_name])
     env = forms.ChoiceField(label="Environment")
     file = forms.FileField(help_text="JSON Lines (.jsonl) or Parquet (.parquet).")
 

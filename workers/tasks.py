@@ -9,7 +9,6 @@ through ``jobs.services`` and releases the GPUs, whatever happened.
 from __future__ import annotations
 
 import logging
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +85,8 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         state, code, message = JobState.FAILED, "unknown_method", str(exc)
     except Exception as exc:
         state, code = JobState.FAILED, "runner_error"
-        tail = "".join(traceback.format_exception(exc)[-3:])
-        message = f"{type(exc).__name__}: {exc}\n{tail}"
+        message = failure_message(exc)
+        # The traceback is for the operator, in this worker's log; the job says what failed.
         log.exception("job %s failed", job_id)
     finally:
         # The runner may have buffered a few steps' metrics (cancel, failure, or a runner that
@@ -115,6 +114,28 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
     request_dispatch()
     log.info("job %s attempt %s: %s", job_id, attempt, outcome)
     return outcome
+
+
+# What a job's error_message may say of an exception: its words, not the process's internals
+# (file paths, hosts and ports of the services it talks to).
+MAX_FAILURE_CHARS = 500
+INFRASTRUCTURE_ERRORS = {
+    "ConnectionError": "lost the connection to Redis",
+    "TimeoutError": "Redis did not answer in time",
+    "OperationalError": "the database refused the operation",
+}
+
+
+def failure_message(exc: BaseException) -> str:
+    """One line for the job's owner: the exception's class and message, without traceback."""
+    name = type(exc).__name__
+    module = type(exc).__module__.split(".")[0]
+    if module in {"redis", "django"} and name in INFRASTRUCTURE_ERRORS:
+        return f"the runner {INFRASTRUCTURE_ERRORS[name]} ({module} {name})"
+    text = " ".join(str(exc).split())
+    if len(text) > MAX_FAILURE_CHARS:
+        text = text[: MAX_FAILURE_CHARS - 3] + "..."
+    return f"{name}: {text}" if text else name
 
 
 @shared_task(name=REAP_TASK, ignore_result=True)

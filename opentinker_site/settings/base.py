@@ -125,7 +125,9 @@ def read_command(name: str) -> str:
 
 # Overridden with a required value in production.py; this one only serves development.
 SECRET_KEY = read_secret("SECRET_KEY", "django-insecure-opentinker-development-only-key")
-DEBUG = read_bool("DEBUG", False)
+# Off unless asked for, in development too: Django's debug pages show tracebacks, settings and
+# the server's environment to whoever triggers an error.
+DEBUG = read_bool("OPENTINKER_DEBUG", False)
 ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
 OPENTINKER_DATA_DIR = Path(env.str("OPENTINKER_DATA_DIR", default=str(BASE_DIR / "var")))
@@ -357,6 +359,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "accounts.pagination.CreatedCursorPagination",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PARSER_CLASSES": [
+        "accounts.parsers.DepthLimitedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",

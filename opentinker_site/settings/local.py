@@ -1,11 +1,14 @@
-"""Development settings: DEBUG on, SQLite and the embedded Valkey unless told otherwise."""
+"""Development settings: SQLite and the embedded Valkey unless told otherwise.
+
+DEBUG stays off (``OPENTINKER_DEBUG=1`` turns it on); static files are served from the apps'
+and the project's folders without ``collectstatic``.
+"""
 
 from __future__ import annotations
 
 from .base import *  # noqa: F403
-from .base import read_bool
 
-DEBUG = read_bool("DEBUG", True)
+WHITENOISE_USE_FINDERS = True
 
 if REDIS_URL is None:  # noqa: F405
     from opentinker_site.embedded import ensure_valkey

@@ -7,9 +7,8 @@ from django.core.exceptions import ImproperlyConfigured
 from .base import *  # noqa: F403
 from .base import env, read_bool, read_secret
 
-DEBUG = read_bool("DEBUG", False)
-if DEBUG:
-    raise ImproperlyConfigured("DEBUG must be off in production.")
+if DEBUG:  # noqa: F405
+    raise ImproperlyConfigured("OPENTINKER_DEBUG must be off in production.")
 
 # No defaults: a deployment that forgets a secret must not start with a well-known one.
 SECRET_KEY = read_secret("SECRET_KEY", min_length=32)

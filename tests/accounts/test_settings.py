@@ -127,7 +127,8 @@ def test_it_starts_production_with_file_secrets(tmp_path):
         ("OPENTINKER_KEY_ROTATION_GRACE_HOURS", "-1"),
         ("OPENTINKER_MAX_DATASET_BYTES", "50MB"),
         ("OPENTINKER_MAX_DATASET_BYTES", "0"),
-        ("DEBUG", "maybe"),
+        ("OPENTINKER_DEBUG", "maybe"),
+        ("OPENTINKER_DEBUG", "1"),
     ],
 )
 def test_it_refuses_bad_values_at_start(tmp_path, name, value):

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 APP_SERVICES = ["web", "worker-gpu", "worker-env", "beat"]
 # Variables read by the images of postgres and redis, not by our code.
-THIRD_PARTY_VARS = {"POSTGRES_DB", "POSTGRES_USER", "POSTGRES_PASSWORD"}
+THIRD_PARTY_VARS = {"POSTGRES_DB", "POSTGRES_USER", "POSTGRES_PASSWORD", "REDISCLI_AUTH"}
 
 
 def _code_text() -> str:
@@ -98,3 +98,25 @@ def test_the_gunicorn_config_is_threaded_and_names_real_settings():
         config.set(name, getattr(module, name))
     assert config.worker_class_str == "gthread"
     assert config.threads >= 8
+
+
+@pytest.mark.parametrize("service", ["postgres", "redis", *APP_SERVICES])
+def test_it_restarts_every_part_that_dies(service):
+    assert COMPOSE["services"][service]["restart"] in {"unless-stopped", "always"}
+
+
+def test_it_starts_the_app_once_its_backing_services_are_healthy():
+    for backing in ("postgres", "redis"):
+        assert COMPOSE["services"][backing]["healthcheck"]["test"]
+    assert "/healthz" in " ".join(COMPOSE["services"]["web"]["healthcheck"]["test"])
+    for service in APP_SERVICES:
+        depends = COMPOSE["services"][service]["depends_on"]
+        assert all(depends[b]["condition"] == "service_healthy" for b in ("postgres", "redis"))
+
+
+def test_it_protects_redis_with_a_password_the_app_uses():
+    redis_command = " ".join(COMPOSE["services"]["redis"]["command"])
+    assert "--requirepass ${REDIS_PASSWORD" in redis_command
+    for service in APP_SERVICES:
+        url = COMPOSE["services"][service]["environment"]["REDIS_URL"]
+        assert url.startswith("redis://:${REDIS_PASSWORD")

@@ -64,3 +64,39 @@ def test_it_uses_a_configured_redis_url(monkeypatch) -> None:
 
     monkeypatch.setenv("REDIS_URL", "redis://example.invalid:6379/3")
     assert ensure_valkey() == "redis://example.invalid:6379/3"
+
+
+PROTECTED = textwrap.dedent(
+    """
+    import stat, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[1])
+    import redis
+    from opentinker_site.embedded import ensure_valkey
+    url = ensure_valkey(sys.argv[2])
+    parsed = redis.Redis.from_url(url)
+    where = parsed.connection_pool.connection_kwargs
+    host, port = where["host"], where["port"]
+    try:
+        redis.Redis(host=host, port=port).ping()
+    except redis.AuthenticationError:
+        print("refused")
+    secret = Path(sys.argv[2]) / "password"
+    print(oct(stat.S_IMODE(secret.stat().st_mode)), secret.read_text().strip() in url)
+    print(parsed.ping())
+    """
+)
+
+
+def test_it_requires_the_random_password_it_writes_beside_its_data(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROTECTED, str(ROOT), str(tmp_path / "valkey")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "0o600", "True", "True"]

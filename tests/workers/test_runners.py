@@ -232,3 +232,16 @@ def test_it_writes_no_metrics_for_an_attempt_that_is_no_longer_live(placed_job: 
     )
     ctx.log_metrics(1, {"loss": 1.0})
     assert ctx.lease_lost and not JobMetric.objects.filter(job_id=job_id).exists()
+
+
+def test_it_describes_a_failure_in_words_without_internals() -> None:
+    import redis
+
+    from workers.tasks import failure_message
+
+    lost = redis.ConnectionError("Error 111 connecting to 10.0.0.7:6379. Connection refused.")
+    assert failure_message(lost) == "the runner lost the connection to Redis (redis ConnectionError)"
+    long = ValueError("bad value\n" + "x" * 2000)
+    message = failure_message(long)
+    assert message.startswith("ValueError: bad value x") and len(message) <= 512
+    assert "\n" not in message

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -108,6 +109,10 @@ def demo_key() -> tuple[str, str]:
     return team.slug, plaintext
 
 
+def _stopped_by_signal(signum: int, frame: Any) -> None:
+    raise CommandError(f"stopped by {signal.Signals(signum).name}")
+
+
 class Command(BaseCommand):
     help = "Create a demo user, team and API key, start the service, run a demo job to the end."
 
@@ -136,6 +141,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # SIGTERM unwinds like Ctrl-C: the service this command started is stopped with it.
+        signal.signal(signal.SIGTERM, _stopped_by_signal)
         logging.getLogger("httpx").setLevel(logging.WARNING)
         server: subprocess.Popen[bytes] | None = None
         url = options["url"]

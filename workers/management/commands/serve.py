@@ -1,8 +1,11 @@
-"""``manage.py serve``: the whole service on one machine, on embedded defaults.
+"""``manage.py serve``: the whole service on one machine, on embedded defaults, supervised.
 
 Valkey (embedded unless ``REDIS_URL`` is set), migrations, a Celery worker with beat for this
-node, and the web server. Ctrl-C (or SIGTERM) stops everything; if one part dies the rest is
-stopped too, and the exit status is that part's.
+node, and the web server. A part that exits, whatever its status, is restarted with
+exponential backoff (1 s doubling to 30 s, back to 1 s once it has run for a minute); each
+part runs in its own process group, and the whole group goes with it, so a worker killed
+with SIGKILL leaves no orphaned beat behind to run twice beside its successor. Ctrl-C or
+SIGTERM stops every part, and the embedded Valkey last (it is this process's).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from opentinker_site.embedded import ensure_valkey
+from workers.processes import stop_process_group
 
 MANAGE_PY = Path(settings.BASE_DIR) / "manage.py"
 
@@ -32,19 +37,43 @@ def _raise_stop(signum: int, frame: Any) -> None:
     raise _Stop()
 
 
-def terminate(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    """SIGTERM every child (Celery finishes its current task step: warm shutdown), then
-    SIGKILL whatever is still there after ``timeout``."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+# Restart backoff: 1 s, doubling per quick failure up to 30 s; a part that ran this long
+# before it exited starts over at 1 s.
+BACKOFF_MAX_SECONDS = 30.0
+STABLE_SECONDS = 60.0
+
+
+@dataclass
+class Part:
+    """One supervised child: its command and where its restarts stand."""
+
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    quick_failures: int = 0
+    restart_at: float = 0.0
+
+    def start(self, env: dict[str, str]) -> int:
+        self.proc = subprocess.Popen(
+            self.cmd, env=env, cwd=settings.BASE_DIR, start_new_session=True
+        )
+        self.started = time.monotonic()
+        return self.proc.pid
+
+    def reap(self, now: float) -> tuple[int, float, float] | None:
+        """If the part exited: stop what is left of its group and plan its restart; returns
+        (status, seconds it ran, seconds until the restart)."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        status = self.proc.returncode
+        stop_process_group(self.proc, grace_s=5)
+        ran = now - self.started
+        self.quick_failures = 0 if ran >= STABLE_SECONDS else self.quick_failures + 1
+        delay = min(BACKOFF_MAX_SECONDS, 2.0 ** max(0, self.quick_failures - 1))
+        self.proc = None
+        self.restart_at = now + delay
+        return status, ran, delay
 
 
 class Command(BaseCommand):
@@ -91,29 +120,36 @@ class Command(BaseCommand):
 
         # Explicit handlers: a shell starting us in the background leaves SIGINT ignored.
         previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-        procs: list[subprocess.Popen[bytes]] = []
-        names: dict[int, str] = {}
-        status = 0
+        parts = [Part(name, cmd) for name, cmd in commands]
         try:
-            for name, cmd in commands:
-                proc = subprocess.Popen(cmd, env=env, cwd=settings.BASE_DIR)
-                procs.append(proc)
-                names[proc.pid] = name
-            self.stdout.write(f"OpenTinker at http://{address}/ (Redis {redis_url}); Ctrl-C stops")
-            self.stdout.flush()
+            for part in parts:
+                self._say(f"started {part.name} (pid {part.start(env)})")
+            # The URL's password stays out of the log.
+            redis_at = redis_url.rpartition("@")[2]
+            self._say(f"OpenTinker at http://{address}/ (Redis {redis_at}); Ctrl-C stops")
             while True:
-                for proc in procs:
-                    code = proc.poll()
-                    if code is not None:
-                        self.stderr.write(f"{names[proc.pid]} exited with status {code}")
-                        status = code if code >= 0 else 128 - code
-                        raise _Stop()
+                now = time.monotonic()
+                for part in parts:
+                    exited = part.reap(now)
+                    if exited is not None:
+                        status, ran, delay = exited
+                        self._say(
+                            f"{part.name} exited with status {status} after {ran:.0f} s; "
+                            f"restarting in {delay:.0f} s",
+                            error=True,
+                        )
+                    if part.proc is None and now >= part.restart_at:
+                        self._say(f"restarted {part.name} (pid {part.start(env)})")
                 time.sleep(0.5)
         except (KeyboardInterrupt, _Stop):
             pass
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            terminate(procs)
-        if status:
-            sys.exit(status)
+            for part in parts:
+                if part.proc is not None:
+                    stop_process_group(part.proc, grace_s=20)
+
+    def _say(self, message: str, *, error: bool = False) -> None:
+        (self.stderr if error else self.stdout).write(message)
+        (self.stderr if error else self.stdout).flush()

@@ -1,0 +1,52 @@
+"""Error answers outside the API views: unknown paths, oversized bodies, server errors.
+
+DRF answers its own errors as ``{"detail": ...}``; these handlers give everything Django
+answers itself (a path no view matches, a body over ``DATA_UPLOAD_MAX_MEMORY_SIZE``, an
+exception no view caught) the same shape under ``/api/``, where clients parse JSON (the
+``tinker`` SDK prints the body of an error inside its exception). Pages keep Django's plain
+error pages, which never show a traceback with DEBUG off.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
+
+API_PREFIXES = ("/api/", "/healthz")
+
+
+def wants_json(request: HttpRequest) -> bool:
+    return request.path.startswith(API_PREFIXES)
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    if isinstance(exception, RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if wants_json(request):
+            detail = f"request body too large: the limit is {limit} bytes"
+            return JsonResponse({"detail": detail}, status=413)
+        return HttpResponse("Request body too large.", status=413, content_type="text/plain")
+    if wants_json(request):
+        return JsonResponse({"detail": "bad request"}, status=400)
+    return defaults.bad_request(request, exception)
+
+
+def permission_denied(request: HttpRequest, exception: Exception) -> HttpResponse:
+    if wants_json(request):
+        return JsonResponse({"detail": "permission denied"}, status=403)
+    return defaults.permission_denied(request, exception)
+
+
+def page_not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    if wants_json(request):
+        return JsonResponse({"detail": f"no endpoint {request.path}"}, status=404)
+    return defaults.page_not_found(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    if wants_json(request):
+        # What failed is in the server's log; the answer says no more than that it failed.
+        return JsonResponse({"detail": "internal server error"}, status=500)
+    return defaults.server_error(request)

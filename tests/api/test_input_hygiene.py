@@ -1,0 +1,93 @@
+"""Bad input is a 400 naming what is wrong: JSON nested too deep, fields the endpoint does not
+have, names with control or bidi characters or nothing visible. And a key in X-API-Key counts
+even when a proxy adds its own Authorization header."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from jobs.models import Job
+
+pytestmark = pytest.mark.django_db
+
+JOBS = "/api/v1/jobs"
+KEYS = "/api/v1/keys"
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def _post_raw(client, url: str, body: str):
+    return client.post(url, data=body, content_type="application/json")
+
+
+@pytest.mark.parametrize("url", [JOBS, KEYS])
+def test_it_refuses_json_nested_thousands_deep(owner_client, url):
+    response = _post_raw(owner_client, url, "[" * 5000 + "]" * 5000)
+    assert response.status_code == 400
+    assert "nested deeper than 64 levels" in response.json()["detail"]
+
+
+def test_it_refuses_a_deep_env_config_inside_a_spec(owner_client):
+    spec = {"method": "rl", "env": "bandit", "env_config": _nested(200)}
+    response = _post_raw(owner_client, JOBS, json.dumps({"spec": spec}))
+    assert response.status_code == 400
+    assert "nested deeper" in response.json()["detail"]
+    assert not Job.objects.exists()
+
+
+def test_it_accepts_ordinary_nesting(owner_client):
+    response = owner_client.post(JOBS, {"spec": {"method": "smoke"}, "name": "ok"}, format="json")
+    assert response.status_code == 201, response.json()
+
+
+@pytest.mark.parametrize(
+    "url, body",
+    [
+        (JOBS, {"spec": {"method": "smoke"}, "priorty": 5}),
+        (KEYS, {"name": "laptop", "expires": "tomorrow"}),
+    ],
+)
+def test_it_refuses_unknown_top_level_fields_naming_them(owner_client, url, body):
+    response = owner_client.post(url, body, format="json")
+    assert response.status_code == 400
+    unknown = next(k for k in body if k not in {"spec", "name"})
+    assert "unknown field" in response.json()[unknown][0]
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("invoice\u202egpj.exe", "bidirectional"),
+        ("\x1b[31mred", "control characters"),
+        ("two\nlines", "control characters"),
+        ("\u200b\u200b", "visible character"),
+    ],
+)
+@pytest.mark.parametrize("url", [JOBS, KEYS])
+def test_it_refuses_names_that_hide_or_forge_text(owner_client, url, name, reason):
+    body = {"name": name, "spec": {"method": "smoke"}} if url == JOBS else {"name": name}
+    response = owner_client.post(url, body, format="json")
+    assert response.status_code == 400
+    assert reason in response.json()["name"][0]
+
+
+def test_it_keeps_names_in_any_script(owner_client):
+    body = {"name": "训练 — تجربة 👩\u200d🔬", "spec": {"method": "smoke"}}
+    assert owner_client.post(JOBS, body, format="json").status_code == 201
+
+
+def test_it_takes_the_x_api_key_beside_a_proxys_basic_credentials(anon_client, owner_key):
+    basic = base64.b64encode(b"proxy:secret").decode()
+    response = anon_client.get(
+        "/api/v1/me", HTTP_AUTHORIZATION=f"Basic {basic}", HTTP_X_API_KEY=owner_key[1]
+    )
+    assert response.status_code == 200
