@@ -51,6 +51,8 @@ def celery_settings() -> dict[str, Any]:
     transport = {"visibility_timeout": conf.visibility_timeout()}
     return {
         "broker_url": url,
+        # kombu's Redis transport, with a restore path that survives a broker outage.
+        "broker_transport": "workers.broker:Transport",
         "result_backend": url,
         "broker_transport_options": transport,
         "result_backend_transport_options": transport,

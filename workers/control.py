@@ -9,6 +9,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+import redis
 from celery import current_app
 from django.utils import timezone
 
@@ -17,6 +18,7 @@ from jobs.models import ACTIVE_STATES, Job, JobState
 from workers import audit, conf
 from workers.dispatcher import request_dispatch
 from workers.locktable import GpuLockTable
+from workers.outages import RateLimitedWarning
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,17 @@ def _table() -> GpuLockTable:
     return GpuLockTable(conf.get_redis())
 
 
+_cancel_flag_unreachable = RateLimitedWarning(log)
+
+
 def is_cancel_requested(job_id: str) -> bool:
-    return bool(conf.get_redis().exists(f"{CANCEL_PREFIX}{job_id}"))
+    """The Redis cancel flag. While Redis is unreachable the answer is "not seen here": the
+    job row carries the cancel as well, and the runner reads it at every heartbeat."""
+    try:
+        return bool(conf.get_redis().exists(f"{CANCEL_PREFIX}{job_id}"))
+    except redis.RedisError as exc:
+        _cancel_flag_unreachable("cancel flags unreadable, Redis unreachable (%s)", exc)
+        return False
 
 
 def clear_cancel(job_id: str) -> None:

