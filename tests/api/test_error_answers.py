@@ -27,9 +27,7 @@ def test_it_answers_an_unknown_tinker_endpoint_with_json_404(owner_client):
     assert "no_such_tinker_call" in _json_error(response, 404)
 
 
-def test_it_answers_an_uncaught_exception_with_json_500_and_no_traceback(
-    owner_client, monkeypatch
-):
+def test_it_answers_an_uncaught_exception_with_json_500_and_no_traceback(owner_client, monkeypatch):
     from jobs.views import JobViewSet
 
     def explode(self, request, *args, **kwargs):

@@ -56,4 +56,3 @@ def test_it_survives_a_failing_control_plane(
     with django_capture_on_commit_callbacks(execute=True):
         job = services.submit_job(team=team, user=owner, spec=SMOKE, name="x")
     assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
-
