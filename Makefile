@@ -63,6 +63,7 @@ bench: install
 # architecture contracts (import-linter, pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --config-file mypy.ini training client/opentinker
 	PYTHONPATH=client $(VENV)/bin/lint-imports --no-cache
 
