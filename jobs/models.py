@@ -56,6 +56,9 @@ class Job(models.Model):
     attempt = models.PositiveIntegerField(default=1)
     celery_task_id = models.CharField(max_length=255, blank=True, default="")
     cancel_requested = models.BooleanField(default=False)
+    cancel_requested_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a cancel was asked for: billing stops there."
+    )
     created = models.DateTimeField(auto_now_add=True, db_index=True)
     started = models.DateTimeField(null=True, blank=True, help_text="Start of the current attempt.")
     finished = models.DateTimeField(null=True, blank=True)

@@ -79,10 +79,11 @@ def gpu_seconds_this_month(team_id: int, now: datetime | None = None) -> float:
         or 0.0
     )
     running = 0.0
-    for started, held in jobs.filter(state__in=ACTIVE_STATES, started__isnull=False).values_list(
-        "started", "gpus_held"
-    ):
-        running += max(0.0, (now - started).total_seconds()) * len(held or [])
+    for started, held, cancelled_at in jobs.filter(
+        state__in=ACTIVE_STATES, started__isnull=False
+    ).values_list("started", "gpus_held", "cancel_requested_at"):
+        until = min(now, cancelled_at) if cancelled_at else now
+        running += max(0.0, (until - started).total_seconds()) * len(held or [])
     return float(done) + running
 
 

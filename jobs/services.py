@@ -170,7 +170,10 @@ def _transition_event(
 def _attempt_gpu_seconds(job: Job, now: datetime) -> float:
     if job.started is None:
         return 0.0
-    return max(0.0, (now - job.started).total_seconds()) * len(job.gpus_held or [])
+    # A cancelled job is billed up to the request: the time the runner takes to stop (or the
+    # canceller to take its GPUs back) is the service's, not the team's.
+    until = min(now, job.cancel_requested_at) if job.cancel_requested_at else now
+    return max(0.0, (until - job.started).total_seconds()) * len(job.gpus_held or [])
 
 
 def submit_job(
@@ -416,10 +419,12 @@ def cancel_job(job: Job, *, by: AbstractBaseUser | None = None) -> Job:
             raise IllegalTransition(f"job is already {job.state}")
         with transaction.atomic():
             if job.state == JobState.QUEUED:
+                now = timezone.now()
                 updated = Job.objects.filter(pk=job.pk, state=JobState.QUEUED).update(
                     state=JobState.CANCELLED,
                     cancel_requested=True,
-                    finished=timezone.now(),
+                    cancel_requested_at=now,
+                    finished=now,
                 )
                 if updated:
                     _transition_event(
@@ -429,7 +434,7 @@ def cancel_job(job: Job, *, by: AbstractBaseUser | None = None) -> Job:
             else:
                 updated = Job.objects.filter(
                     pk=job.pk, state__in=ACTIVE_STATES, cancel_requested=False
-                ).update(cancel_requested=True)
+                ).update(cancel_requested=True, cancel_requested_at=timezone.now())
                 if updated:
                     add_event(job.pk, JobEvent.Kind.CANCEL_REQUESTED, "cancel requested", who)
                     transaction.on_commit(partial(_cancel_running, str(job.pk)))

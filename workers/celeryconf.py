@@ -16,6 +16,7 @@ from workers import conf
 
 __all__ = [
     "CONTROL_QUEUE",
+    "ENFORCE_CANCEL_TASK",
     "ENV_QUEUE",
     "GPU_QUEUE",
     "REAP_TASK",
@@ -32,6 +33,7 @@ ENV_QUEUE = "env"
 # (the task calls the dispatcher after every release).
 RUN_JOB_TASK = "workers.tasks.run_job"
 REAP_TASK = "workers.tasks.reap"
+ENFORCE_CANCEL_TASK = "workers.tasks.enforce_cancel"
 
 
 def _queue(name: str) -> Queue:
@@ -67,6 +69,7 @@ def celery_settings() -> dict[str, Any]:
         "task_queues": tuple(_queue(name) for name in (CONTROL_QUEUE, GPU_QUEUE, ENV_QUEUE)),
         "task_routes": {
             REAP_TASK: {"queue": CONTROL_QUEUE},
+            ENFORCE_CANCEL_TASK: {"queue": CONTROL_QUEUE},
             RUN_JOB_TASK: {"queue": GPU_QUEUE},
             "tinker_api.serve_base_model": {"queue": GPU_QUEUE},
             "environments.tasks.*": {"queue": ENV_QUEUE},

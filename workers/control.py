@@ -16,6 +16,7 @@ from django.utils import timezone
 from jobs import services
 from jobs.models import ACTIVE_STATES, Job, JobState
 from workers import audit, conf
+from workers.celeryconf import CONTROL_QUEUE, ENFORCE_CANCEL_TASK
 from workers.dispatcher import request_dispatch
 from workers.locktable import GpuLockTable
 from workers.outages import RateLimitedWarning
@@ -27,6 +28,7 @@ __all__ = [
     "cancel_running",
     "clear_cancel",
     "clear_stopping",
+    "enforce_cancel",
     "is_cancel_requested",
     "is_stopping",
     "mark_stopping",
@@ -36,6 +38,10 @@ __all__ = [
 CANCEL_PREFIX = "ot:cancel:"
 # The flag outlives any job; it is deleted when the job's runner ends.
 CANCEL_FLAG_SECONDS = 8 * 24 * 3600
+
+# How long a started runner has to stop by itself at a step boundary (a clean end: buffered
+# metrics written, no half-written checkpoint) before the canceller takes its GPUs back.
+CANCEL_GRACE_SECONDS = 2.0
 
 STOPPING_PREFIX = "ot:stopping:"
 STOPPING_FLAG_SECONDS = 3600
@@ -123,6 +129,33 @@ def cancel_running(job_id: str) -> None:
         request_dispatch()
         return
     _revoke(row["celery_task_id"])
+    # The runner stops at its next step; a step can be long on a loaded machine, so the
+    # block is taken back when the grace period is over, whatever the runner is doing.
+    current_app.send_task(
+        ENFORCE_CANCEL_TASK, args=[job_id], countdown=CANCEL_GRACE_SECONDS, queue=CONTROL_QUEUE
+    )
+
+
+def enforce_cancel(job_id: str) -> bool:
+    """End a cancelled job whose runner has not stopped within ``CANCEL_GRACE_SECONDS``: its
+    GPUs go back to the pool and the job is CANCELLED now. The runner finds its lease gone
+    at its next check and stops; its own finish is then stale. False when there was nothing
+    left to do (the runner stopped in time, or the job already ended)."""
+    job_id = str(job_id)
+    row = (
+        Job.objects.filter(pk=job_id, state__in=ACTIVE_STATES, cancel_requested=True)
+        .values("attempt")
+        .first()
+    )
+    if row is None:
+        return False
+    if _table().release_job(job_id):
+        audit.lease_ended(job_id, row["attempt"], "cancelled")
+    ended = services.finish_job(job_id, JobState.CANCELLED, attempt=row["attempt"])
+    request_dispatch()
+    if ended:
+        log.info("job %s: cancelled, its runner had not stopped within the grace period", job_id)
+    return ended
 
 
 def reap() -> dict[str, Any]:
@@ -153,6 +186,14 @@ def reap() -> dict[str, Any]:
         ):
             requeued.append(lease.job_id)
         clear_cancel(lease.job_id)
+
+    # A cancel whose scheduled enforcement was lost (a worker restart) is enforced here.
+    overdue = timezone.now() - timedelta(seconds=2 * CANCEL_GRACE_SECONDS)
+    for job_id in Job.objects.filter(
+        state__in=ACTIVE_STATES, cancel_requested=True, cancel_requested_at__lt=overdue
+    ).values_list("id", flat=True):
+        if enforce_cancel(str(job_id)):
+            requeued.append(str(job_id))
 
     silent_since = timezone.now() - timedelta(seconds=2 * conf.lease_seconds())
     stale = Job.objects.filter(state__in=ACTIVE_STATES, heartbeat__lt=silent_since).values_list(

@@ -19,7 +19,7 @@ from django.conf import settings
 from jobs import services
 from jobs.models import Job, JobState
 from workers import audit, conf, control, runners
-from workers.celeryconf import REAP_TASK, RUN_JOB_TASK
+from workers.celeryconf import ENFORCE_CANCEL_TASK, REAP_TASK, RUN_JOB_TASK
 from workers.devices import lease_devices
 from workers.dispatcher import request_dispatch
 from workers.leases import LeaseKeeper
@@ -28,7 +28,7 @@ from workers.outages import through_outage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["job_workdir", "reap", "run_job"]
+__all__ = ["enforce_cancel", "job_workdir", "reap", "run_job"]
 
 
 def job_workdir(job_id: str) -> Path:
@@ -138,6 +138,11 @@ def failure_message(exc: BaseException) -> str:
     if len(text) > MAX_FAILURE_CHARS:
         text = text[: MAX_FAILURE_CHARS - 3] + "..."
     return f"{name}: {text}" if text else name
+
+
+@shared_task(name=ENFORCE_CANCEL_TASK, ignore_result=True)
+def enforce_cancel(job_id: str) -> bool:
+    return control.enforce_cancel(job_id)
 
 
 @shared_task(name=REAP_TASK, ignore_result=True)
