@@ -50,7 +50,7 @@ test-fast: install
 # tests (tests/training) touch neither and ran once already.
 test-services:
 	@if $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"; then \
-		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" $(PY) -m pytest -q --ignore=tests/training; \
+		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" $(PY) -m pytest -q --ignore=tests/training -m "not once"; \
 	else \
 		echo "PostgreSQL or Redis not reachable: skipped the run against real services"; \
 	fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from accounts.validators import RefuseUnknownFields, validate_display_name
@@ -42,6 +43,11 @@ class JobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+@extend_schema_field({"type": "object", "additionalProperties": True})
+class JsonObjectField(serializers.JSONField):
+    """A JSON object (documented as one: the JobSpec's own schema is served by the client)."""
+
+
 class JobCreateSerializer(RefuseUnknownFields, serializers.Serializer):
     name = serializers.CharField(
         max_length=200,
@@ -51,7 +57,7 @@ class JobCreateSerializer(RefuseUnknownFields, serializers.Serializer):
         validators=[validate_display_name],
     )
     kind = serializers.ChoiceField(choices=JobKind.choices, default=JobKind.TRAIN)
-    spec = serializers.JSONField(help_text="A JobSpec (see jobs/spec.py); validated server-side.")
+    spec = JsonObjectField(help_text="A JobSpec (see jobs/spec.py); validated server-side.")
     team = serializers.SlugField(
         required=False, help_text="Team slug; needed only when you belong to several teams."
     )

@@ -359,11 +359,9 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "accounts.pagination.CreatedCursorPagination",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PARSER_CLASSES": [
-        "accounts.parsers.DepthLimitedJSONParser",
-        "rest_framework.parsers.FormParser",
-        "rest_framework.parsers.MultiPartParser",
-    ],
+    # JSON only (the dataset upload takes multipart itself): form encodings have no null and
+    # no nesting, so an empty form field would pass for a missing value.
+    "DEFAULT_PARSER_CLASSES": ["accounts.parsers.DepthLimitedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
@@ -377,6 +375,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "accounts.schema.document_errors",
+    ],
 }
 if SPECTACULAR_SIDECAR:
     SPECTACULAR_SETTINGS.update(

@@ -26,7 +26,8 @@ from tests.e2e.test_managed_training import finished, rl_spec, series, steps_of,
 from tests.fixtures.workers import wait_for
 from workers.locktable import GpuLockTable
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
+# The server under test is the test's own: the pass against PostgreSQL and Redis skips it.
+pytestmark = [pytest.mark.once, pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
 
 
 def _free_port() -> int:
