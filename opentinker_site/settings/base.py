@@ -127,7 +127,8 @@ def read_command(name: str) -> str:
 SECRET_KEY = read_secret("SECRET_KEY", "django-insecure-opentinker-development-only-key")
 # Off unless asked for, in development too: Django's debug pages show tracebacks, settings and
 # the server's environment to whoever triggers an error.
-DEBUG = read_bool("OPENTINKER_DEBUG", False)
+OPENTINKER_DEBUG = read_bool("OPENTINKER_DEBUG", False)
+DEBUG = OPENTINKER_DEBUG
 ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
 OPENTINKER_DATA_DIR = Path(env.str("OPENTINKER_DATA_DIR", default=str(BASE_DIR / "var")))

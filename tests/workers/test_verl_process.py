@@ -213,10 +213,10 @@ def test_it_passes_the_block_as_cuda_visible_devices(tmp_path: Path) -> None:
     assert verl_process.cuda_visible_devices(ctx) == "3"
 
 
-def test_it_takes_the_entry_command_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(verl_process.ENTRY_ENV, "/opt/verl/bin/python -m verl.trainer.main_ppo")
+def test_it_takes_the_entry_command_from_the_settings(settings: Any) -> None:
+    settings.OPENTINKER_VERL_COMMAND = "/opt/verl/bin/python -m verl.trainer.main_ppo"
     assert verl_process.entry_command() == ["/opt/verl/bin/python", "-m", "verl.trainer.main_ppo"]
-    monkeypatch.delenv(verl_process.ENTRY_ENV)
+    settings.OPENTINKER_VERL_COMMAND = ""
     assert verl_process.entry_command()[1:] == ["-m", "verl.trainer.main_ppo"]
 
 

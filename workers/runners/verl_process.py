@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import queue
 import re
 import shlex
@@ -26,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers import conf
 from workers.processes import group_alive, stop_process_group
 from workers.runners.base import JobContext
 
@@ -92,7 +92,9 @@ def with_aliases(metrics: Mapping[str, float], env_name: str = "") -> dict[str, 
 
 
 def entry_command() -> list[str]:
-    configured = os.environ.get(ENTRY_ENV, "").strip()
+    """The trainer's command line: ``OPENTINKER_VERL_COMMAND`` (declared and checked in the
+    settings), else this interpreter's verl."""
+    configured = str(conf.setting(ENTRY_ENV) or "").strip()
     if configured:
         return shlex.split(configured)
     return [sys.executable, "-m", "verl.trainer.main_ppo"]
