@@ -10,6 +10,7 @@ from collections import defaultdict
 from django.core.files.uploadhandler import FileUploadHandler, SkipFile
 from django.db.models import QuerySet
 from django.http import FileResponse, HttpRequest
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -42,6 +43,10 @@ from .serializers import (
     SampleResponseSerializer,
 )
 from .spec import SpecError
+
+# What an artifact file is, by suffix: the schema promises these types (mimetypes knows no
+# jsonl and would guess differently per platform).
+FILE_TYPES = {".json": "application/json", ".jsonl": "application/jsonl"}
 
 
 class EventCursorPagination(CursorPagination):
@@ -167,7 +172,16 @@ class JobViewSet(
         ]
         return Response(CheckpointSerializer(rows, many=True).data)
 
-    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    @extend_schema(
+        responses={
+            (200, "application/octet-stream"): OpenApiResponse(
+                OpenApiTypes.BINARY, description="a native checkpoint's state.pt"
+            ),
+            (200, "application/zip"): OpenApiResponse(
+                OpenApiTypes.BINARY, description="a verl checkpoint directory"
+            ),
+        }
+    )
     @action(
         detail=True,
         methods=["get"],
@@ -192,7 +206,10 @@ class JobViewSet(
                 content_type="application/zip",
             )
         return FileResponse(
-            path.open("rb"), as_attachment=True, filename=f"{job.pk}-{name}-state.pt"
+            path.open("rb"),
+            as_attachment=True,
+            filename=f"{job.pk}-{name}-state.pt",
+            content_type="application/octet-stream",
         )
 
     @extend_schema(responses={200: ArtifactSerializer(many=True)})
@@ -242,7 +259,20 @@ class JobViewSet(
             raise ValidationError({exc.field: [exc.reason]}) from exc
         return Response({"job": str(job.pk), "samples": samples})
 
-    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    @extend_schema(
+        responses={
+            (200, "application/zip"): OpenApiResponse(
+                OpenApiTypes.BINARY, description="a directory (adapter, model)"
+            ),
+            (200, "application/json"): OpenApiResponse(
+                OpenApiTypes.OBJECT, description="the run summary"
+            ),
+            (200, "application/jsonl"): OpenApiResponse(
+                OpenApiTypes.STR,
+                description="metrics.jsonl (one {step, name, value} per line) and eval/*.jsonl",
+            ),
+        }
+    )
     @action(
         detail=True,
         methods=["get"],
@@ -278,7 +308,10 @@ class JobViewSet(
                 content_type="application/zip",
             )
         return FileResponse(
-            path.open("rb"), as_attachment=True, filename=f"{job.pk}-{name.replace('/', '-')}"
+            path.open("rb"),
+            as_attachment=True,
+            filename=f"{job.pk}-{name.replace('/', '-')}",
+            content_type=FILE_TYPES.get(path.suffix, "application/octet-stream"),
         )
 
 

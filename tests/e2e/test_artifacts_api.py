@@ -101,6 +101,32 @@ def test_it_serves_the_adapter_as_a_zip_and_the_metrics_as_jsonl(
     assert body_of(eval_file) == b'{"reward": 1.0}\n'
 
 
+def test_each_download_has_the_content_type_the_schema_documents(
+    job: Job, owner_client: APIClient
+) -> None:
+    schema = json.loads(
+        owner_client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").content
+    )
+
+    def documented(path: str) -> set[str]:
+        return set(schema["paths"][path]["get"]["responses"]["200"]["content"])
+
+    base = f"/api/v1/jobs/{job.pk}"
+    expected = {
+        "adapter": "application/zip",
+        "summary.json": "application/json",
+        "eval/step-000004.jsonl": "application/jsonl",
+        "metrics.jsonl": "application/jsonl",
+    }
+    for name, content_type in expected.items():
+        got = owner_client.get(f"{base}/artifacts/{name}")["Content-Type"].split(";")[0]
+        assert got == content_type, name
+        assert got in documented("/api/v1/jobs/{id}/artifacts/{name}"), name
+    state = owner_client.get(f"{base}/checkpoints/step-000004")["Content-Type"]
+    assert state == "application/octet-stream"
+    assert state in documented("/api/v1/jobs/{id}/checkpoints/{name}")
+
+
 @pytest.mark.parametrize(
     "path",
     [

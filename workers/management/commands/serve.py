@@ -5,7 +5,8 @@ node, and the web server. A part that exits, whatever its status, is restarted w
 exponential backoff (1 s doubling to 30 s, back to 1 s once it has run for a minute); each
 part runs in its own process group, and the whole group goes with it, so a worker killed
 with SIGKILL leaves no orphaned beat behind to run twice beside its successor. Ctrl-C or
-SIGTERM stops every part, and the embedded Valkey last (it is this process's).
+SIGTERM stops every part, and the embedded Valkey last (it is this process's). The embedded
+Valkey is restarted too, at once, on its port and with its password.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from opentinker_site.embedded import ensure_valkey
+from opentinker_site.embedded import ensure_valkey, revive_valkey
 from workers.processes import stop_process_group
 
 MANAGE_PY = Path(settings.BASE_DIR) / "manage.py"
@@ -128,6 +129,11 @@ class Command(BaseCommand):
             redis_at = redis_url.rpartition("@")[2]
             self._say(f"OpenTinker at http://{address}/ (Redis {redis_at}); Ctrl-C stops")
             while True:
+                revived = self._revive_valkey()
+                if revived is not None:
+                    self._say(
+                        f"the embedded Valkey died; restarted it on port {revived}", error=True
+                    )
                 now = time.monotonic()
                 for part in parts:
                     exited = part.reap(now)
@@ -149,6 +155,14 @@ class Command(BaseCommand):
             for part in parts:
                 if part.proc is not None:
                     stop_process_group(part.proc, grace_s=20)
+
+    def _revive_valkey(self) -> int | None:
+        """The embedded Valkey is a part too; a failed restart is tried again next round."""
+        try:
+            return revive_valkey()
+        except Exception as exc:
+            self._say(f"could not restart the embedded Valkey: {exc}", error=True)
+            return None
 
     def _say(self, message: str, *, error: bool = False) -> None:
         (self.stderr if error else self.stdout).write(message)
