@@ -39,3 +39,4 @@ def test_it_holds_to_its_openapi_schema_under_schemathesis(
     summary = result.stdout[-6000:]
     assert result.returncode == 0, summary
     assert " passed" in summary and "failure" not in summary.split("SUMMARY")[-1], summary
+    print(summary.split("SUMMARY")[-1].strip())  # the counts, for `pytest -s`

@@ -134,7 +134,7 @@ def redis_url(
 # Outages: a blink, and a minute (the runner carries on meanwhile; the GPUs are released as
 # soon as the server is back). redis-server gets the blink only: its path is the same.
 OUTAGES = [
-    pytest.param("valkey", 6, id="valkey-6s"),
+    pytest.param("valkey", 10, id="valkey-10s"),
     pytest.param("valkey", 60, id="valkey-60s"),
     pytest.param("redis-server", 10, id="redis-server-10s"),
 ]
