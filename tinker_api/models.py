@@ -116,12 +116,17 @@ class SamplingSession(models.Model):
         return self.id
 
 
+_SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
+
+
 class Checkpoint(models.Model):
-    """A saved state (``training``: weights + optimizer) or sampler weights (``sampler``)."""
+    """A saved state (``training``: weights + optimizer), sampler weights (``sampler``) or an
+    export to download (``external``: the adapter as the cookbook's ``weights`` reads it)."""
 
     class Kind(models.TextChoices):
         TRAINING = "training"
         SAMPLER = "sampler"
+        EXTERNAL = "external"
 
     model = models.ForeignKey(TrainingModel, on_delete=models.CASCADE, related_name="checkpoints")
     team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="+")
@@ -135,6 +140,9 @@ class Checkpoint(models.Model):
     user_metadata = models.JSONField(null=True, blank=True)
     created = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(null=True, blank=True)
+    # Published (``publish_checkpoint_from_tinker_path``): listed as public. Teams are the
+    # only accounts here and a team sees all its checkpoints, so nothing else changes.
+    public = models.BooleanField(default=False)
 
     objects = TeamScopedQuerySet.as_manager()
 
@@ -149,8 +157,12 @@ class Checkpoint(models.Model):
 
     @property
     def tinker_path(self) -> str:
-        segment = "weights" if self.kind == self.Kind.TRAINING else "sampler_weights"
-        return f"tinker://{self.model_id}/{segment}/{self.name}"
+        return f"tinker://{self.model_id}/{self.segment}/{self.name}"
+
+    @property
+    def segment(self) -> str:
+        """The kind's word in ``tinker://`` paths and checkpoint ids."""
+        return _SEGMENTS[self.kind]
 
     def file_path(self) -> Path:
         return Path(settings.OPENTINKER_DATA_DIR) / self.file

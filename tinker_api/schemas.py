@@ -183,6 +183,15 @@ class SaveWeightsRequest(RequestModel):
     user_metadata: dict[str, str] | None = None
 
 
+class SaveWeightsExternalRequest(RequestModel):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    # age (X25519) public keys: every exported file is encrypted to all of them.
+    age_encryption_recipients: list[str] | None = None
+
+
 class SaveWeightsForSamplerRequest(RequestModel):
     """Named (``path`` set) -> a ``tinker://.../sampler_weights/<name>`` path; unnamed
     (``sampling_session_seq_id`` set) -> a new sampling session id."""
@@ -471,6 +480,22 @@ class TrainingRun(ResponseModel):
 class TrainingRunsResponse(ResponseModel):
     training_runs: list[TrainingRun]
     cursor: Cursor
+
+
+class ExternalWeightsUrlsResponse(ResponseModel):
+    urls: dict[str, str]
+    expires: datetime
+
+
+class ListSessionsResponse(ResponseModel):
+    sessions: list[str]
+
+
+class GetSessionResponse(ResponseModel):
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
 
 
 class WeightsInfoResponse(ResponseModel):

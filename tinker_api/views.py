@@ -12,7 +12,8 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse
+from django.http import FileResponse, HttpRequest, HttpResponse
+from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.exceptions import AuthenticationFailed
 
@@ -197,6 +198,12 @@ def save_weights_for_sampler(request: HttpRequest, caller: Caller) -> HttpRespon
 
 
 @endpoint("POST")
+def save_weights_external(request: HttpRequest, caller: Caller) -> HttpResponse:
+    req = wire.parse_json(s.SaveWeightsExternalRequest, _body(request))
+    return _future(services.save_weights_external(caller, req))
+
+
+@endpoint("POST")
 def load_weights(request: HttpRequest, caller: Caller) -> HttpResponse:
     req = wire.parse_json(s.LoadWeightsRequest, _body(request))
     request_id, model_id = services.load_weights(caller, req)
@@ -334,3 +341,67 @@ def weights_info(request: HttpRequest, caller: Caller) -> HttpResponse:
             train_attn=m.train_attn,
         )
     )
+
+
+@endpoint("GET")
+def external_weights_urls(
+    request: HttpRequest, caller: Caller, run_id: str, segment: str, name: str
+) -> HttpResponse:
+    def url_for(token: str, file: str) -> str:
+        return request.build_absolute_uri(
+            reverse("tinker:external-file", kwargs={"token": token, "file": file})
+        )
+
+    return _ok(services.external_weights_urls(caller, run_id, segment, name, url_for=url_for))
+
+
+@endpoint("GET", auth=False)
+def external_file(request: HttpRequest, caller: None, token: str, file: str) -> HttpResponse:
+    """A file of an export, for whoever holds its signed link (the cookbook fetches these
+    with ``urllib``, without the API key)."""
+    path = services.download_file(token, file)
+    return FileResponse(path.open("rb"), as_attachment=True, filename=file)
+
+
+@endpoint("POST", "DELETE")
+def checkpoint_publish(
+    request: HttpRequest, caller: Caller, run_id: str, segment: str, name: str
+) -> HttpResponse:
+    services.set_checkpoint_public(caller, run_id, segment, name, request.method == "POST")
+    return HttpResponse(status=204)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+@endpoint("GET")
+def sessions(request: HttpRequest, caller: Caller) -> HttpResponse:
+    limit, offset = _page(request)
+    return _ok(s.ListSessionsResponse(sessions=services.list_sessions(caller, limit, offset)))
+
+
+@endpoint("GET")
+def session(request: HttpRequest, caller: Caller, session_id: str) -> HttpResponse:
+    return _ok(services.session_info(caller, session_id))
+
+
+# --------------------------------------------------------------------------- the rest
+
+
+def not_supported(feature: str) -> Callable[..., HttpResponse]:
+    """An SDK endpoint this server does not offer: a JSON 404 that says so, never a page
+    (the SDK raises ``NotFoundError`` with the detail)."""
+
+    @csrf_exempt
+    def view(request: HttpRequest, **_ids: str) -> HttpResponse:
+        where = f"{request.method} {request.path}"
+        return _json(404, {"detail": f"{where}: {feature} is not supported by this server"})
+
+    return view
+
+
+@csrf_exempt
+def unknown(request: HttpRequest, rest: str) -> HttpResponse:
+    """Any other path under the Tinker prefix (the REST API's routes, included first and
+    without trailing slashes, never get here)."""
+    return _json(404, {"detail": f"no endpoint {request.method} {request.path}"})

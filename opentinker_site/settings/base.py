@@ -195,6 +195,13 @@ OPENTINKER_CPU_SLOTS = read_int("OPENTINKER_CPU_SLOTS", 2, minimum=1, maximum=10
 
 # The verl trainer's command line (shell words); empty means the verl venv's main_ppo.
 OPENTINKER_VERL_COMMAND = read_command("OPENTINKER_VERL_COMMAND")
+# The venv `make verl-env` builds (scripts/build_verl_env.sh reads the same variable).
+OPENTINKER_VERL_VENV = Path(
+    env.str("OPENTINKER_VERL_VENV", default=str(BASE_DIR / "var" / "verl-venv"))
+)
+# A verl trainer that prints nothing new for this long is stopped and failed: vLLM and Ray
+# failures hang the trainer instead of ending it.
+OPENTINKER_VERL_STALL_SECONDS = read_int("OPENTINKER_VERL_STALL_SECONDS", 600, minimum=10)
 # The embedded Valkey's directory; empty means a fresh temporary one per process tree.
 OPENTINKER_VALKEY_DIR = env.str("OPENTINKER_VALKEY_DIR", default="")
 # The training library reads this switch from the environment itself (it has no Django);
@@ -223,6 +230,11 @@ OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS = read_int(
     "OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", 300, minimum=10
 )
 OPENTINKER_TINKER_TORCH_THREADS = read_int("OPENTINKER_TINKER_TORCH_THREADS", 2, minimum=1)
+# A model's requests wait this long on a seq_id that never arrives (a client that spent it
+# and never sent it) before they fail, instead of waiting for the session to end.
+OPENTINKER_TINKER_SEQ_GAP_SECONDS = read_int(
+    "OPENTINKER_TINKER_SEQ_GAP_SECONDS", 120, minimum=1, maximum=24 * 3600
+)
 OPENTINKER_TINKER_GATHER_MS: int | None = (
     read_int("OPENTINKER_TINKER_GATHER_MS", 0, minimum=0, maximum=1000)
     if os.environ.get("OPENTINKER_TINKER_GATHER_MS", "") != ""

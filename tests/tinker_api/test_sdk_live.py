@@ -172,14 +172,16 @@ def test_it_saves_and_restores_state_with_and_without_the_optimizer(
         for got, want in zip(forward_logprobs(resumed, data), at_save, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-5)
         resumed.forward_backward(data, "cross_entropy")
-        resumed.optim_step(adam).result()
+        # With the optimizer the run resumes: its third step is counted as the third.
+        assert resumed.optim_step(adam).result().metrics["optim/step:mean"] == 3
         # Same weights and same Adam moments: the third step lands on the same weights.
         for got, want in zip(forward_logprobs(resumed, data), after_third, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-4)
 
         fresh_optimizer = service.create_training_client_from_state(path).result()
         fresh_optimizer.forward_backward(data, "cross_entropy")
-        fresh_optimizer.optim_step(adam).result()
+        # Weights only start a new run: Adam's moments and its step count begin again.
+        assert fresh_optimizer.optim_step(adam).result().metrics["optim/step:mean"] == 1
         # Weights only: Adam restarts, so the same step moves the weights differently.
         diffs = [
             float(np.abs(g - w).max())

@@ -14,9 +14,11 @@ from tinker_api.services.checkpoints import (
     list_checkpoints,
     save_weights,
     save_weights_for_sampler,
+    set_checkpoint_public,
     set_checkpoint_ttl,
     training_run,
 )
+from tinker_api.services.exports import download_file, external_weights_urls, save_weights_external
 from tinker_api.services.lookups import (
     Caller,
     NotFound,
@@ -27,7 +29,13 @@ from tinker_api.services.lookups import (
 )
 from tinker_api.services.polling import PollAnswer, retrieve
 from tinker_api.services.sampling import create_sampling_session, sample
-from tinker_api.services.sessions import create_session, finish_session, heartbeat
+from tinker_api.services.sessions import (
+    create_session,
+    finish_session,
+    heartbeat,
+    list_sessions,
+    session_info,
+)
 from tinker_api.services.training import (
     create_model,
     forward_backward,
@@ -45,6 +53,8 @@ __all__ = [
     "create_sampling_session",
     "create_session",
     "delete_checkpoint",
+    "download_file",
+    "external_weights_urls",
     "finish_session",
     "forward_backward",
     "get_checkpoint",
@@ -53,12 +63,16 @@ __all__ = [
     "get_sampling_session",
     "heartbeat",
     "list_checkpoints",
+    "list_sessions",
     "load_weights",
     "optim_step",
     "retrieve",
     "sample",
     "save_weights",
+    "save_weights_external",
     "save_weights_for_sampler",
+    "session_info",
+    "set_checkpoint_public",
     "set_checkpoint_ttl",
     "training_run",
 ]

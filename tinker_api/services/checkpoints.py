@@ -14,7 +14,7 @@ from tinker_api import schemas as s
 from tinker_api import wire
 from tinker_api.models import Checkpoint, SamplingSession, TrainingModel
 from tinker_api.services.lookups import Caller, get_checkpoint, get_model
-from tinker_api.services.queue import submit
+from tinker_api.services.queue import ordered, submit
 
 # Names the SDK puts into tinker:// paths: no "/" and nothing that walks up a directory.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -23,7 +23,7 @@ INFLIGHT_PREFIX = "inflight-"
 
 
 def _checkpoint_file(model: TrainingModel, kind: str, name: str) -> str:
-    folder = "weights" if kind == Checkpoint.Kind.TRAINING else "sampler_weights"
+    folder = Checkpoint(kind=kind).segment
     suffix = ".pt" if kind == Checkpoint.Kind.TRAINING else ""
     return f"tinker/{model.team_id}/{model.id}/{folder}/{name}{suffix}"
 
@@ -64,20 +64,28 @@ def _new_checkpoint(
 def save_weights(caller: Caller, req: s.SaveWeightsRequest) -> str:
     model = get_model(caller, req.model_id)
     name = req.path or f"step-{req.seq_id}"
-    ckpt = _new_checkpoint(
-        model,
-        Checkpoint.Kind.TRAINING,
-        name,
-        ttl_seconds=req.ttl_seconds,
-        overwrite=req.overwrite,
-        user_metadata=req.user_metadata,
-        seq=req.seq_id,
-    )
+    with ordered(caller, model, req.seq_id):
+        ckpt = _new_checkpoint(
+            model,
+            Checkpoint.Kind.TRAINING,
+            name,
+            ttl_seconds=req.ttl_seconds,
+            overwrite=req.overwrite,
+            user_metadata=req.user_metadata,
+            seq=req.seq_id,
+        )
     return submit(caller, model, req.seq_id, {"op": "save_state", "checkpoint": ckpt.pk})
 
 
 def save_weights_for_sampler(caller: Caller, req: s.SaveWeightsForSamplerRequest) -> str:
     model = get_model(caller, req.model_id)
+    with ordered(caller, model, req.seq_id):
+        return _save_weights_for_sampler(caller, model, req)
+
+
+def _save_weights_for_sampler(
+    caller: Caller, model: TrainingModel, req: s.SaveWeightsForSamplerRequest
+) -> str:
     op: dict[str, Any] = {"op": "save_sampler"}
     if req.path is not None:
         name = req.path
@@ -141,13 +149,13 @@ def record_sampler_saved(
 
 def _checkpoint_out(c: Checkpoint) -> s.Checkpoint:
     meta = {k: v for k, v in (c.user_metadata or {}).items() if not k.startswith("_")}
-    segment = "weights" if c.kind == Checkpoint.Kind.TRAINING else "sampler_weights"
     return s.Checkpoint(
-        checkpoint_id=f"{segment}/{c.name}",
+        checkpoint_id=f"{c.segment}/{c.name}",
         checkpoint_type=c.kind,  # type: ignore[arg-type]
         time=c.created,
         tinker_path=c.tinker_path,
         size_bytes=c.size_bytes,
+        public=c.public,
         user_metadata=meta or None,
         expires_at=c.expires_at,
     )
@@ -190,6 +198,11 @@ def set_checkpoint_ttl(caller: Caller, run: str, segment: str, name: str, ttl: i
     c = _checkpoint_by_id(caller, run, segment, name)
     expires = timezone.now() + timedelta(seconds=ttl) if ttl else None
     Checkpoint.objects.filter(pk=c.pk).update(expires_at=expires)
+
+
+def set_checkpoint_public(caller: Caller, run: str, segment: str, name: str, public: bool) -> None:
+    c = _checkpoint_by_id(caller, run, segment, name)
+    Checkpoint.objects.filter(pk=c.pk).update(public=public)
 
 
 def training_run(caller: Caller, model: TrainingModel) -> s.TrainingRun:

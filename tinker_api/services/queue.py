@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -12,7 +15,7 @@ from django.utils import timezone
 from tinker_api import futures, wire
 from tinker_api import schemas as s
 from tinker_api.models import TrainingModel
-from tinker_api.services.lookups import Caller, base_model
+from tinker_api.services.lookups import Caller, NotFound, base_model
 from workers import conf
 from workers.celeryconf import node_queue
 from workers.locktable import GpuLockTable
@@ -57,6 +60,39 @@ def ensure_worker(base: str) -> s.QueueState:
         futures.clear_starting(base)
         raise
     return "active"
+
+
+def refuse(caller: Caller, model: TrainingModel, seq: int | None, error: wire.WireError) -> None:
+    """Record a request refused at submission as a failed future under its seq_id, and tell
+    the model worker to step past it: the SDK has spent that seq_id, and the model's next
+    request would otherwise wait for it forever. A seq_id already submitted keeps its
+    earlier request (a resubmission refused now does not undo it)."""
+    if seq is None or seq < 1:
+        return
+    request_id = futures.new_request_id()
+    answer = futures.submit(
+        request_id,
+        {"op": "skip", "rid": request_id, "model": model.id, "seq": seq},
+        team_id=caller.team_id,
+        base=model.base_model,
+        dedupe_scope=f"seq:{model.id}:{seq}",
+    )
+    if answer == request_id:
+        futures.fail(request_id, json.dumps(error.body()), "user")
+
+
+@contextmanager
+def ordered(caller: Caller, model: TrainingModel, seq: int | None) -> Iterator[None]:
+    """Checks of a request that carries ``seq``: a refusal still advances the model's
+    sequence (``refuse``) before it answers the client."""
+    try:
+        yield
+    except NotFound as exc:
+        refuse(caller, model, seq, wire.WireError(str(exc), status=404))
+        raise
+    except wire.WireError as exc:
+        refuse(caller, model, seq, exc)
+        raise
 
 
 def submit(

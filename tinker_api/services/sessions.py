@@ -69,3 +69,19 @@ def end_silent_sessions(model_ids: Collection[str], timeout_seconds: int) -> lis
         finish_detail="no heartbeat",
     )
     return [m for m, sid, _beat, done in rows if done is not None or sid in silent]
+
+
+def list_sessions(caller: Caller, limit: int, offset: int) -> list[str]:
+    """The team's session ids, newest first."""
+    qs = TinkerSession.objects.for_team(caller.team_id).order_by("-created")
+    return list(qs.values_list("id", flat=True)[offset : offset + limit])
+
+
+def session_info(caller: Caller, session_id: str) -> s.GetSessionResponse:
+    session = get_session(caller, session_id)
+    meta = session.user_metadata or None
+    return s.GetSessionResponse(
+        training_run_ids=list(session.models.values_list("id", flat=True)),
+        sampler_ids=list(session.sampling_sessions.values_list("id", flat=True)),
+        user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
+    )

@@ -3,8 +3,10 @@ steps and loading a saved state."""
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
+from pathlib import Path
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -21,7 +23,7 @@ from tinker_api.services.lookups import (
     get_model,
     live_session,
 )
-from tinker_api.services.queue import submit
+from tinker_api.services.queue import ordered, submit
 from workers import conf
 
 
@@ -132,19 +134,23 @@ def forward_backward(
     forward_only: bool,
 ) -> str:
     raw = wire.decompress(body, content_encoding)
-    batch = wire.decode_forward_backward(raw, content_type=content_type, forward_only=forward_only)
-    if batch.loss_fn == "custom":
-        raise wire.WireError(
-            "loss_fn 'custom' is not run on this server: use forward_backward_custom, which "
-            "computes the loss on the client"
-        )
+    batch = wire.decode_forward_backward(
+        raw, content_type=content_type, forward_only=forward_only, check=False
+    )
     model = get_model(caller, batch.model_id)
-    base = base_model(model.base_model)
-    longest = max(len(d.tokens) for d in batch.data)
-    if longest > base.max_context:
-        raise wire.WireError(
-            f"a datum has {longest} tokens, over {base.name}'s context of {base.max_context}"
-        )
+    with ordered(caller, model, batch.seq_id):
+        base = base_model(model.base_model)
+        wire.check_batch(batch, vocab_size(base.resolved_path()))
+        if batch.loss_fn == "custom":
+            raise wire.WireError(
+                "loss_fn 'custom' is not run on this server: use forward_backward_custom, "
+                "which computes the loss on the client"
+            )
+        longest = max(len(d.tokens) for d in batch.data)
+        if longest > base.max_context:
+            raise wire.WireError(
+                f"a datum has {longest} tokens, over {base.name}'s context of {base.max_context}"
+            )
     return submit(
         caller,
         model,
@@ -154,28 +160,57 @@ def forward_backward(
     )
 
 
+def vocab_size(directory: Path) -> int | None:
+    """The embedding rows of a base model (its ``config.json``), cached per file version."""
+    config = directory / "config.json"
+    try:
+        return _vocab_size(str(config), config.stat().st_mtime_ns)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _vocab_size(config: str, _mtime_ns: int) -> int | None:
+    try:
+        data = json.loads(Path(config).read_text())
+    except (OSError, ValueError):
+        return None
+    size = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+    return int(size) if size else None
+
+
 def optim_step(caller: Caller, req: s.OptimStepRequest) -> str:
     model = get_model(caller, req.model_id)
-    if req.adam_params is None:
-        kind = (req.optimizer_params or {}).get("type")
-        raise wire.WireError(f"optimizer {kind!r} is not supported; send adam_params")
+    with ordered(caller, model, req.seq_id):
+        if req.adam_params is None:
+            kind = (req.optimizer_params or {}).get("type")
+            raise wire.WireError(f"optimizer {kind!r} is not supported; send adam_params")
     adam = req.adam_params.model_dump()
     return submit(caller, model, req.seq_id, {"op": "optim", "adam": adam})
 
 
-def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
-    """(request_id, model_id): into an existing model (legacy) or a new one from the state."""
+def _check_no_token(req: s.LoadWeightsRequest) -> None:
     if req.weights_access_token is not None:
         raise wire.WireError(
             "weights_access_token: this server does not load another account's checkpoints; "
             "load a checkpoint of your own team without a token"
         )
-    ckpt = get_checkpoint(caller, req.path)
+
+
+def _training_state(caller: Caller, path: str) -> Checkpoint:
+    ckpt = get_checkpoint(caller, path)
     if ckpt.kind != Checkpoint.Kind.TRAINING:
-        raise wire.WireError(f"{req.path} holds sampler weights; load a tinker://.../weights/ path")
-    file = str(ckpt.file_path())
+        raise wire.WireError(f"{path} holds sampler weights; load a tinker://.../weights/ path")
+    return ckpt
+
+
+def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
+    """(request_id, model_id): into an existing model (legacy) or a new one from the state."""
     if not req.creates_model:
         model = get_model(caller, req.model_id or "")
+        with ordered(caller, model, req.seq_id):
+            _check_no_token(req)
+            file = str(_training_state(caller, req.path).file_path())
         rid = submit(
             caller,
             model,
@@ -183,6 +218,9 @@ def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
             {"op": "load", "file": file, "optimizer": req.optimizer, "path": req.path},
         )
         return rid, model.id
+    _check_no_token(req)
+    ckpt = _training_state(caller, req.path)
+    file = str(ckpt.file_path())
     session = live_session(caller, req.session_id or "")
     if req.optimizer_config is not None:
         _check_optimizer(req.optimizer_config)

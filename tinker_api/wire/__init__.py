@@ -13,6 +13,7 @@ from tinker_api.wire.forward_backward import (
     ForwardBackwardBatch,
     ProvenanceSpan,
     WireDatum,
+    check_batch,
     decode_forward_backward,
     encode_forward_backward_output,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "TensorOut",
     "WireDatum",
     "WireError",
+    "check_batch",
     "check_topk_sample",
     "decode_forward_backward",
     "decompress",

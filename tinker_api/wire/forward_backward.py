@@ -118,13 +118,15 @@ def decode_forward_backward(
     content_encoding: str | None = None,
     forward_only: bool = False,
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+    check: bool = True,
 ) -> ForwardBackwardBatch:
     """Decode a ``/forward_backward`` or ``/forward`` body from its headers.
 
     ``forward_only=True`` is for the ``/forward`` path of older clients; the 0.38 SDK says
     so in the protobuf body instead. Raises ``WireError`` for anything the engine should
     never see: unknown media type, corrupt bytes, non-text chunks, ragged or non-finite
-    tensors, inputs whose length disagrees with the tokens.
+    tensors, inputs whose length disagrees with the tokens. ``check=False`` leaves the
+    content checks (``check_batch``) to the caller, who may want the model and seq_id first.
     """
     raw = decompress(body, content_encoding, max_bytes=max_decoded_bytes)
     media = media_type(content_type)
@@ -137,7 +139,8 @@ def decode_forward_backward(
             f"Content-Type {media!r} is not supported (use {PROTOBUF} or {JSON})", status=415
         )
     batch.forward_only = batch.forward_only or forward_only
-    _check_batch(batch)
+    if check:
+        check_batch(batch)
     return batch
 
 
@@ -227,7 +230,9 @@ def _spans_from_proto(spans: Any) -> list[ProvenanceSpan] | None:
     return out
 
 
-def _check_batch(batch: ForwardBackwardBatch) -> None:
+def check_batch(batch: ForwardBackwardBatch, vocab_size: int | None = None) -> None:
+    """Refuse what the engine should never see; with ``vocab_size``, token ids outside
+    ``[0, vocab_size)`` in the input or the targets too (named by datum and position)."""
     if batch.loss_fn not in LOSS_FNS:
         raise WireError(
             f"unknown loss_fn {batch.loss_fn!r}; expected one of {', '.join(sorted(LOSS_FNS))}"
@@ -266,6 +271,11 @@ def _check_batch(batch: ForwardBackwardBatch) -> None:
         target = datum.loss_fn_inputs.get("target_tokens")
         if target is not None and target.dtype.kind != "i":
             raise WireError(f"data[{i}].loss_fn_inputs['target_tokens']: must be int64")
+        if vocab_size is not None:
+            _check_token_ids(np.asarray(datum.tokens), f"data[{i}].model_input", vocab_size)
+            if target is not None:
+                where = f"data[{i}].loss_fn_inputs['target_tokens']"
+                _check_token_ids(target, where, vocab_size)
         for label, spans in (
             ("model_input_spans", datum.model_input_spans),
             ("loss_fn_input_spans", datum.loss_fn_input_spans),
@@ -279,6 +289,18 @@ def _check_batch(batch: ForwardBackwardBatch) -> None:
             and sum(sp.length for sp in datum.model_input_spans) != n
         ):
             raise WireError(f"data[{i}].model_input_spans: lengths must add up to {n}")
+
+
+def _check_token_ids(ids: np.ndarray, where: str, vocab_size: int) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        flat = int(bad[0])
+        # Two-dimensional targets (top-k distillation) have one row per position.
+        pos = int(np.unravel_index(flat, ids.shape)[0]) if ids.ndim > 1 else flat
+        raise WireError(
+            f"{where}: token id {int(ids.flat[flat])} at position {pos} is outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
 
 
 def _check_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from django.db import close_old_connections
 from tinker_api import futures, wire
 from tinker_api.models import Checkpoint
 from tinker_api.services import checkpoints
+from tinker_api.worker import exports
 from tinker_api.worker.datums import pad_inputs, to_datums
 from tinker_api.worker.policies import Policies
 from tinker_api.worker.requests import Op, RequestError, fail_request
@@ -67,8 +68,10 @@ class TrainingHandlers:
         except ValueError as exc:
             raise RequestError(f"cannot load this checkpoint into the model: {exc}") from exc
         if not optimizer:
-            # Weights only: the optimizer starts afresh, as a new model's would.
+            # Weights only starts a new run (the SDK: "optimizer resets"): Adam's moments and
+            # the step count begin again, as a new model's would.
             policy.optimizer.state.clear()
+            policy.step = 0
 
     def _op_load(self, op: Op) -> dict[str, Any]:
         self._load(
@@ -133,6 +136,20 @@ class TrainingHandlers:
         if session_id:
             return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
         return {"type": "save_weights_for_sampler", "path": ckpt.tinker_path}
+
+    def _op_save_external(self, op: Op) -> dict[str, Any]:
+        policy = self.policies.serving(op.model)
+        ckpt = Checkpoint.objects.get(pk=op.fields["checkpoint"])
+        version = policy.snapshot()
+        try:
+            out = policy.export_peft(version, ckpt.file_path())
+        finally:
+            policy.release(version)
+        exports.as_cookbook_adapter(out, tied_head=exports.ties_head(self.policies.engine.model))
+        exports.encrypt(out, op.fields.get("recipients") or [])
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        checkpoints.record_state_saved(ckpt.pk, size_bytes=size, step=policy.step)
+        return {"type": "save_weights_external", "path": ckpt.tinker_path}
 
     def run_fwdbwd(self, ops: list[Op], forward_only: bool) -> None:
         prepared: list[Prepared] = []

@@ -2,7 +2,10 @@
 
 The SDK numbers each model's requests; chunks of one call get consecutive seq_ids. A request
 that arrives early waits for the gap to fill; a gap left by a request lost with a dead worker
-is skipped once that is certain.
+is skipped once that is certain. A request refused at submission arrives as a ``skip`` (its
+future already failed), so the next one runs. A gap that stays open for
+``OPENTINKER_TINKER_SEQ_GAP_SECONDS`` (a client that numbered a request and never sent it)
+fails the requests waiting behind it, which lets the model's later requests run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from workers import conf
 # How long a model may wait on a missing seq_id before the worker checks whether that
 # request was lost with a dead worker.
 GAP_CHECK_SECONDS = 1.0
+
+
+def seq_gap_seconds() -> int:
+    return conf.int_setting("OPENTINKER_TINKER_SEQ_GAP_SECONDS", minimum=1)
+
+
 # A model that sent a request this recently is "active": a client in a training loop sends
 # its next request a few milliseconds after its previous one is answered.
 ACTIVE_SECONDS = 0.25
@@ -41,6 +50,9 @@ class SeqOrder:
         self.next: dict[str, int] = {}
         self.pending: dict[str, dict[int, Op]] = {}
         self.waiting_since: dict[str, float] = {}
+        # When each model began waiting on its current gap (not reset by the gap checks).
+        self.gap_since: dict[str, float] = {}
+        self.gap_limit = float(seq_gap_seconds())
         # When each model last sent a request (monotonic), for the gather window.
         self.seen: dict[str, float] = {}
 
@@ -58,6 +70,7 @@ class SeqOrder:
         """Forget ``model``; returns its queued requests, for the caller to fail."""
         queued = list(self.pending.pop(model, {}).values())
         self.waiting_since.pop(model, None)
+        self.gap_since.pop(model, None)
         self.next.pop(model, None)
         self.seen.pop(model, None)
         return queued
@@ -95,11 +108,19 @@ class SeqOrder:
         for model in list(self.pending):
             ops = self.pending[model]
             seq = self.next.get(model, 0)
+            # Requests refused at submission: their futures failed already.
+            skipped = seq
+            while seq in ops and ops[seq].kind == "skip":
+                del ops[seq]
+                seq += 1
+            if seq != skipped:
+                self.advance(model, seq)
             if seq not in ops:
                 if ops:
                     self._check_gap(model)
                 continue
             self.waiting_since.pop(model, None)
+            self.gap_since.pop(model, None)
             first = ops[seq]
             if first.kind == "optim":
                 # Optimizer steps of all models that are ready run as one update.
@@ -132,6 +153,9 @@ class SeqOrder:
         """A seq_id that never arrives: skip it if its request was lost with a dead worker."""
         now = time.monotonic()
         since = self.waiting_since.setdefault(model, now)
+        if now - self.gap_since.setdefault(model, now) >= self.gap_limit:
+            self._give_up_gap(model)
+            return
         if now - since < GAP_CHECK_SECONDS:
             return
         self.waiting_since[model] = now
@@ -152,3 +176,19 @@ class SeqOrder:
         if lost:
             futures.fail(rid.decode(), "the model worker executing this request stopped")
             self.advance(model, seq + 1)
+
+    def _give_up_gap(self, model: str) -> None:
+        """Fail what waits behind a seq_id that did not arrive in time, and move past it."""
+        seq = self.next[model]
+        waiting = self.pending.pop(model, {})
+        for op in waiting.values():
+            futures.fail(
+                op.rid,
+                f"request seq_id {op.seq} of {model} waited {self.gap_limit:.0f} s for seq_id "
+                f"{seq}, which never arrived (the client numbered a request it did not send, "
+                "e.g. a custom loss that raised); later requests of this model run again",
+                "user",
+            )
+        self.waiting_since.pop(model, None)
+        self.gap_since.pop(model, None)
+        self.advance(model, max(waiting) + 1 if waiting else seq + 1)
