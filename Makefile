@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo serve test test-fast test-embedded test-services install model datasets bench lint clean
+.PHONY: demo serve test test-fast test-embedded test-services install model datasets bench lint clean verl-env
 
 demo: install
 	$(PY) manage.py demo
@@ -26,6 +26,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	touch $(STAMP)
+
+# verl's own venv (docs/verl.md): pinned, stamped with a hash of its pins, so a rerun with
+# unchanged pins does nothing. The path follows OPENTINKER_VERL_VENV when that is set.
+verl-env:
+	bash scripts/build_verl_env.sh
 
 model: install
 	$(PY) scripts/build_tiny_model.py

@@ -8,11 +8,13 @@ line in verl's console format, with Ray's prefix, and saves ``global_step_N`` ch
 
 ``FAKE_VERL_MODE``: ``finish`` (exit 0), ``fail`` (exit 3 after step 1), ``hang`` (after
 step 1 the leader and its child ignore SIGTERM and wait forever). The child's pid goes to
-``$FAKE_VERL_PIDS`` (leader pid, then child pid).
+``$FAKE_VERL_PIDS`` (leader pid, then child pid). ``$FAKE_VERL_SHM``: the leader maps a
+``/dev/shm`` file of that name and never removes it (as vLLM's queues do when killed).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import subprocess
@@ -33,6 +35,11 @@ def main() -> int:
             return 2
     if mode == "hang":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    segment = None
+    if os.environ.get("FAKE_VERL_SHM"):
+        fd = os.open(f"/dev/shm/{os.environ['FAKE_VERL_SHM']}", os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        segment = mmap.mmap(fd, 4096)
     child_code = (
         "import signal, time\n"
         + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if mode == "hang" else "")
@@ -68,6 +75,7 @@ def main() -> int:
                 time.sleep(1)
     child.kill()
     child.wait()
+    del segment
     return 0
 
 

@@ -1,11 +1,12 @@
 """verl's own Hydra composition accepts the runner's overrides (verl 0.9.1, in its own venv).
 
-verl cannot live in the project's venv (it pins transformers < 5.11), so the test builds
-``var/verl-venv`` once with ``pip install --no-deps`` of verl and Hydra, kept between runs,
-and composes ``ppo_trainer`` there. It skips when the venv cannot be built (no package
-index). The config is read from verl's installed ``trainer/config`` directory with
-``initialize_config_dir``: ``initialize_config_module("verl.trainer.config")`` imports the
-``verl`` package, which needs torch, Ray and the rest of verl's dependencies.
+verl cannot live in the project's venv (it pins transformers < 5.11), so the test composes
+``ppo_trainer`` in the verl venv that ``make verl-env`` builds, when there is one, and
+otherwise builds ``var/verl-compose-venv`` once with ``pip install --no-deps`` of verl and
+Hydra, kept between runs. It skips when that cannot be built (no package index). The config
+is read from verl's installed ``trainer/config`` directory with ``initialize_config_dir``:
+``initialize_config_module("verl.trainer.config")`` imports the ``verl`` package, which needs
+torch, Ray and the rest of verl's dependencies.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from jobs.spec import parse_spec
 from workers.runners import verl, verl_config
 
 REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / "var" / "verl-venv"
+# `make verl-env` (scripts/build_verl_env.sh) stamps its venv once every pin is installed.
+FULL_VENV = REPO / "var" / "verl-venv"
+FULL_READY = FULL_VENV / ".opentinker-verl-pins"
+VENV = REPO / "var" / "verl-compose-venv"
 PACKAGES = [
     "verl==0.9.1",
     "hydra-core",
@@ -70,6 +74,8 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def verl_python() -> Path:
+    if FULL_READY.is_file() and (FULL_VENV / "bin" / "python").is_file():
+        return FULL_VENV / "bin" / "python"
     python = VENV / "bin" / "python"
     if READY.is_file() and python.is_file():
         return python
@@ -123,7 +129,7 @@ def _compose(python: Path, overrides: list[str], *keys: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _argv(spec_data: dict[str, Any], tmp_path: Path) -> list[str]:
+def _argv(spec_data: dict[str, Any], tmp_path: Path, *, cpu: bool = False) -> list[str]:
     from environments.datasets import load_rows, resolve
 
     spec = parse_spec(spec_data)
@@ -140,6 +146,7 @@ def _argv(spec_data: dict[str, Any], tmp_path: Path) -> list[str]:
         experiment="job-1",
         agent_loop_config=cfg,
         max_prompt_length=256,
+        cpu=cpu,
     )
 
 
@@ -209,3 +216,11 @@ def test_it_is_refused_by_verl_for_an_unknown_key(verl_python: Path, tmp_path: P
     overrides = [*_argv(spec, tmp_path), f"{A}.actor.no_such_option=1"]
     out = _compose(verl_python, overrides)
     assert out["error"] is not None and "no_such_option" in out["error"]
+
+
+def test_it_composes_the_cpu_overrides(verl_python: Path, tmp_path: Path) -> None:
+    spec = {"method": "rl", "env": "math", "dataset": "builtin:arith_train", "runner": "verl"}
+    out = _compose(verl_python, _argv(spec, tmp_path, cpu=True), f"{A}.actor.strategy")
+    assert out["error"] is None, out["error"]
+    assert out["mismatches"] == []
+    assert out["values"][f"{A}.actor.strategy"] == "fsdp2"

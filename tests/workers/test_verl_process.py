@@ -174,10 +174,20 @@ def test_it_kills_the_whole_process_tree_on_cancel(tmp_path: Path) -> None:
 
     ctx.log_metrics = log_then_cancel  # type: ignore[method-assign]
     started = time.monotonic()
-    result = _supervise(ctx, _argv(ctx, spec), FAKE_VERL_MODE="hang", FAKE_VERL_PIDS=str(pids))
+    segment = f"opentinker-test-{os.getpid()}-{time.time_ns()}"
+    result = _supervise(
+        ctx,
+        _argv(ctx, spec),
+        FAKE_VERL_MODE="hang",
+        FAKE_VERL_PIDS=str(pids),
+        FAKE_VERL_SHM=segment,
+    )
     elapsed = time.monotonic() - started
 
     assert result.stopped and result.returncode is None
+    # The tree's shared memory goes with it.
+    assert result.removed_segments == [segment]
+    assert not (verl_process.SHM_DIR / segment).exists()
     assert [step for step, _ in ctx.metrics] == [1]
     leader, child = (int(p) for p in pids.read_text().split())
     # Both ignore SIGTERM: the group's SIGKILL after the grace period ends them.
@@ -188,17 +198,71 @@ def test_it_kills_the_whole_process_tree_on_cancel(tmp_path: Path) -> None:
     assert elapsed < 15
 
 
-def test_it_refuses_a_block_without_gpus(tmp_path: Path) -> None:
+def test_it_runs_a_block_of_cpu_slots_on_the_cpu_platform(tmp_path: Path) -> None:
     spec = _spec()
     ctx = _ctx(tmp_path, spec)
-    ctx.devices, ctx.gpus = ["cpu"], []
-    with pytest.raises(RuntimeError, match="needs GPUs"):
-        verl.run(ctx)
-    # The one choice of runner sends (rl, verl) specs here.
-    from workers.runners import runner_for
+    # A CPU node leases slots: their numbers are in ctx.gpus, but they are no GPUs.
+    ctx.devices, ctx.gpus = ["cpu"], [1]
+    assert verl.is_cpu_block(ctx) and verl_process.cuda_visible_devices(ctx) == ""
+    argv = _argv(ctx, spec)
+    for override in (
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "+ray_kwargs.ray_init.num_gpus=1",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=false",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "reward.num_workers=1",
+    ):
+        assert override in argv, override
+    # One value per key: Hydra takes the CPU value, not the GPU default next to it.
+    keys = [a.split("=", 1)[0] for a in argv if "=" in a]
+    assert len(keys) == len(set(keys))
 
-    with pytest.raises(RuntimeError, match="needs GPUs"):
-        runner_for(ctx.job_spec)(ctx)
+    env = verl.trainer_env(ctx, tmp_path / "ray")
+    assert env["VERL_PLATFORM"] == verl.CPU_PLATFORM
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == verl.CPU_PLATFORM_MODULE
+    assert env["VERL_ENGINE_DEVICE"] == "cuda" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["RAY_TMPDIR"] == str(tmp_path / "ray") and env["OMP_NUM_THREADS"] == "1"
+    paths = env["PYTHONPATH"].split(os.pathsep)
+    assert str(verl.CPU_PLATFORM_DIR) in paths and str(verl.REPO_ROOT) in paths
+    assert (verl.CPU_PLATFORM_DIR / f"{verl.CPU_PLATFORM_MODULE}.py").is_file()
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+    # A GPU block uses none of it.
+    gpu = _ctx(tmp_path / "gpu", spec)
+    assert "trainer.device=cpu" not in _argv(gpu, spec)
+    assert "actor_rollout_ref.model.use_remove_padding=true" in _argv(gpu, spec)
+    assert verl.trainer_env(gpu).get("VERL_PLATFORM") == os.environ.get("VERL_PLATFORM")
+
+
+def test_it_stops_a_trainer_that_prints_nothing_for_too_long(tmp_path: Path) -> None:
+    spec = _spec()
+    pids = tmp_path / "pids"
+    ctx = _ctx(tmp_path, spec)
+    root = ctx.workdir / "verl"
+    started = time.monotonic()
+    result = verl_process.supervise(
+        ctx,
+        _argv(ctx, spec),
+        env={**os.environ, "FAKE_VERL_MODE": "hang", "FAKE_VERL_PIDS": str(pids)},
+        cwd=root,
+        checkpoint_dir=root / "checkpoints",
+        log_path=root / "trainer.log",
+        term_grace_s=1.0,
+        poll_s=0.05,
+        stall_s=1.5,
+    )
+    assert result.stalled and not result.stopped and result.returncode is None
+    assert [step for step, _ in ctx.metrics] == [1]
+    leader, child = (int(p) for p in pids.read_text().split())
+    deadline = time.monotonic() + 5
+    while (_alive(leader) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(leader) and not _alive(child)
+    assert time.monotonic() - started < 15
 
 
 def test_it_passes_the_block_as_cuda_visible_devices(tmp_path: Path) -> None:
@@ -213,11 +277,20 @@ def test_it_passes_the_block_as_cuda_visible_devices(tmp_path: Path) -> None:
     assert verl_process.cuda_visible_devices(ctx) == "3"
 
 
-def test_it_takes_the_entry_command_from_the_settings(settings: Any) -> None:
+def test_it_takes_the_entry_command_from_the_settings(settings: Any, tmp_path: Path) -> None:
     settings.OPENTINKER_VERL_COMMAND = "/opt/verl/bin/python -m verl.trainer.main_ppo"
     assert verl_process.entry_command() == ["/opt/verl/bin/python", "-m", "verl.trainer.main_ppo"]
+    assert verl_process.tool_python() == "/opt/verl/bin/python"
     settings.OPENTINKER_VERL_COMMAND = ""
-    assert verl_process.entry_command()[1:] == ["-m", "verl.trainer.main_ppo"]
+    # No verl venv: this interpreter's verl.
+    settings.OPENTINKER_VERL_VENV = tmp_path / "none"
+    assert verl_process.entry_command() == [sys.executable, "-m", "verl.trainer.main_ppo"]
+    # The venv `make verl-env` built.
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    settings.OPENTINKER_VERL_VENV = tmp_path / "venv"
+    assert verl_process.entry_command() == [str(python), "-m", "verl.trainer.main_ppo"]
 
 
 @pytest.mark.parametrize(

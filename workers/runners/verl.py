@@ -10,24 +10,47 @@ env's own step, so grading matches the native runner); multi-turn envs run throu
 ``opentinker_env`` agent loop (``workers.runners.verl_agent_loop``), which steps our episodes
 against verl's vLLM server and returns the episode reward.
 
-verl is an optional extra (``pip install .[verl]``); this package imports it nowhere.
+A block without a CUDA device runs verl on its CPU platform
+(``workers/runners/verl_cpu/opentinker_verl_cpu.py``, loaded into every verl process through
+``VERL_USE_EXTERNAL_MODULES``) with ``verl_config.cpu_overrides``; a GPU block uses none of it.
+After the last step the final weights are exported (``workers.runners.verl_export``).
+
+verl lives in a venv of its own (``make verl-env``); this package imports it nowhere.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from jobs.spec import JobSpec
+from workers import conf
 from workers.runners.base import JobContext
 from workers.runners.inputs import Rows, base_model_path, dataset_rows
 from workers.runners.verl_agent_loop import agent_loop_config
 from workers.runners.verl_config import build_overrides, is_multi_turn, write_datasets
-from workers.runners.verl_process import cuda_visible_devices, entry_command, supervise
+from workers.runners.verl_export import export_final
+from workers.runners.verl_process import cuda_visible_devices, entry_command, supervise, tool_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU_PLATFORM_DIR = Path(__file__).resolve().with_name("verl_cpu")
+CPU_PLATFORM_MODULE = "opentinker_verl_cpu"
+CPU_PLATFORM = "opentinker_cpu"
+
+
+def is_cpu_block(ctx: JobContext) -> bool:
+    return not cuda_visible_devices(ctx)
+
+
+def trainer_processes(ctx: JobContext) -> int:
+    """verl's trainer processes: one per GPU, or one per CPU slot of the block."""
+    if is_cpu_block(ctx):
+        return max(1, len(ctx.devices))
+    return len([d for d in cuda_visible_devices(ctx).split(",") if d])
 
 
 def write_agent_loop_config(path: Path) -> Path:
@@ -67,21 +90,42 @@ def prepare(
         model_path=model_path,
         data=data,
         checkpoint_dir=root / "checkpoints",
-        n_gpus=len([d for d in cuda_visible_devices(ctx).split(",") if d]),
+        n_gpus=trainer_processes(ctx),
         experiment=f"job-{ctx.job_id}",
         agent_loop_config=agent_cfg,
         max_prompt_length=64 * math.ceil(longest / 64),
+        cpu=is_cpu_block(ctx),
     )
     return [*entry_command(), *overrides]
 
 
-def trainer_env(ctx: JobContext) -> dict[str, str]:
+def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(ctx)
     # verl's Ray workers import the reward function and the agent loop from this checkout.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    paths = [str(REPO_ROOT), env.get("PYTHONPATH", "")]
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("WANDB_MODE", "disabled")
+    if ray_tmpdir is not None:
+        # Ray leaves a session directory per start: one per attempt, removed afterwards.
+        env["RAY_TMPDIR"] = str(ray_tmpdir)
+    if is_cpu_block(ctx):
+        paths.insert(0, str(CPU_PLATFORM_DIR))
+        modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+        env["VERL_USE_EXTERNAL_MODULES"] = ",".join([CPU_PLATFORM_MODULE, *modules])
+        env["VERL_PLATFORM"] = CPU_PLATFORM
+        # verl registers its FSDP engine for cuda and npu; the class then runs on the
+        # platform's device.
+        env["VERL_ENGINE_DEVICE"] = "cuda"
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        # GiB of KV cache for vLLM's CPU backend: ample for small models and short turns.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # Every Ray worker is a process of its own: one torch thread each.
+        env["OMP_NUM_THREADS"] = "1"
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(ctx)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     # Django settings are meaningless inside verl's processes; nothing there imports Django.
     env.pop("DJANGO_SETTINGS_MODULE", None)
     return env
@@ -90,11 +134,6 @@ def trainer_env(ctx: JobContext) -> dict[str, str]:
 def run(ctx: JobContext) -> None:
     """Run one attempt of a ``runner: verl`` job; verl resumes from its own checkpoints."""
     spec = ctx.job_spec
-    if not cuda_visible_devices(ctx):
-        raise RuntimeError(
-            "the verl runner needs GPUs: this job's block has none "
-            f"(devices {ctx.devices or ['cpu']}); submit it with runner 'native' on CPU"
-        )
     model_path = base_model_path(spec)
     rows, eval_rows = dataset_rows(spec)
     argv = prepare(
@@ -106,22 +145,32 @@ def run(ctx: JobContext) -> None:
         tokenizer=_load_tokenizer(model_path),
     )
     root = ctx.workdir / "verl"
-    ctx.event(
-        f"verl on {spec.env}: {spec.steps} steps on GPUs {cuda_visible_devices(ctx)}",
-        {"argv": argv},
-    )
-    result = supervise(
-        ctx,
-        argv,
-        env=trainer_env(ctx),
-        cwd=root,
-        checkpoint_dir=root / "checkpoints",
-        log_path=root / "trainer.log",
-        env_name=str(spec.env),
-    )
+    where = "the CPU" if is_cpu_block(ctx) else f"GPUs {cuda_visible_devices(ctx)}"
+    ctx.event(f"verl on {spec.env}: {spec.steps} steps on {where}", {"argv": argv})
+    # Short and outside the workdir: Ray's socket paths must fit in 107 bytes.
+    ray_tmpdir = Path(tempfile.mkdtemp(prefix=f"ot-ray-{ctx.job_id[:8]}-"))
+    env = trainer_env(ctx, ray_tmpdir)
+    stall_s = float(conf.setting("OPENTINKER_VERL_STALL_SECONDS"))
+    try:
+        result = supervise(
+            ctx,
+            argv,
+            env=env,
+            cwd=root,
+            checkpoint_dir=root / "checkpoints",
+            log_path=root / "trainer.log",
+            env_name=str(spec.env),
+            stall_s=stall_s,
+        )
+    finally:
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
     if result.stopped:
         return
+    tail = "\n".join(result.tail[-15:])
+    if result.stalled:
+        raise RuntimeError(f"verl's trainer printed nothing for {stall_s:.0f} s:\n{tail}")
     if result.returncode != 0:
-        tail = "\n".join(result.tail[-15:])
         raise RuntimeError(f"verl's trainer exited with status {result.returncode}:\n{tail}")
+    ctx.heartbeat(result.last_step, force=True)
+    export_final(ctx, spec, root / "checkpoints", python=tool_python(), env=env)
     ctx.heartbeat(result.last_step, force=True)

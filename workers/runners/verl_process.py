@@ -5,9 +5,15 @@ verl's trainer runs in its own process group (``supervise``): its console metric
 become job events and lines of ``checkpoints/checkpoints.jsonl``, and a cancel or a lost lease
 ends the whole process tree (SIGTERM, then SIGKILL to the group).
 
-The entry command is ``python -m verl.trainer.main_ppo`` with the worker's interpreter, or the
-``OPENTINKER_VERL_COMMAND`` environment variable (a shell-style command line): tests point it
-at a stand-in script, a GPU worker can point it at a separate verl virtualenv.
+The entry command is ``OPENTINKER_VERL_COMMAND`` (a shell-style command line: the tests point
+it at a stand-in script), else ``python -m verl.trainer.main_ppo`` with the python of the verl
+venv (``OPENTINKER_VERL_VENV``, built by ``make verl-env``) when it exists, else with the
+worker's interpreter. A trainer that prints nothing for ``stall_s`` seconds is stopped and
+reported as stalled: vLLM and Ray failures hang verl's trainer rather than end it.
+
+Shared-memory segments the tree maps (vLLM's message queues, ``/dev/shm/psm_*``, hundreds of
+MiB each) outlive a tree that ends with SIGKILL: ``supervise`` notes the ``/dev/shm`` files
+its processes map while they run and removes those left when the tree is gone.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from workers.runners.base import JobContext
 ENTRY_ENV = "OPENTINKER_VERL_COMMAND"
 CHECKPOINT_INDEX = "checkpoints.jsonl"
 TERM_GRACE_S = 10.0
+SHM_DIR = Path("/dev/shm")
+SHM_SCAN_S = 5.0
 
 _METRIC_LINE = re.compile(r"(?:^|[\s)])step:(\d+) - (.*)$")
 # verl prints values with pprint: numpy scalars show as "np.float64(0.5)".
@@ -91,21 +99,88 @@ def with_aliases(metrics: Mapping[str, float], env_name: str = "") -> dict[str, 
     return out
 
 
+def venv_python() -> Path | None:
+    """The verl venv's interpreter (``make verl-env``), when that venv exists."""
+    python = Path(conf.setting("OPENTINKER_VERL_VENV")) / "bin" / "python"
+    return python if python.is_file() else None
+
+
 def entry_command() -> list[str]:
     """The trainer's command line: ``OPENTINKER_VERL_COMMAND`` (declared and checked in the
-    settings), else this interpreter's verl."""
+    settings), else the verl venv's main_ppo, else this interpreter's."""
     configured = str(conf.setting(ENTRY_ENV) or "").strip()
     if configured:
         return shlex.split(configured)
-    return [sys.executable, "-m", "verl.trainer.main_ppo"]
+    return [str(venv_python() or sys.executable), "-m", "verl.trainer.main_ppo"]
+
+
+def tool_python() -> str | None:
+    """The interpreter that has verl, for verl's tools (the checkpoint merger): the entry
+    command's when it runs a python, else the verl venv's."""
+    first = entry_command()[0]
+    if Path(first).name.startswith("python"):
+        return first
+    python = venv_python()
+    return str(python) if python else None
 
 
 def cuda_visible_devices(ctx: JobContext) -> str:
-    """The block's GPU indices, from ``ctx.gpus`` or the ``cuda:i`` devices."""
+    """The block's GPU indices, from ``ctx.gpus`` or the ``cuda:i`` devices; empty for a
+    block of CPU slots (whose ``ctx.gpus`` are slot numbers, not GPUs)."""
+    if ctx.devices and not any(d.startswith("cuda") for d in ctx.devices):
+        return ""
     indices = list(ctx.gpus) or [
         int(d.split(":", 1)[1]) for d in ctx.devices if d.startswith("cuda:")
     ]
     return ",".join(str(i) for i in indices)
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every live process below it, from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def shm_segments_of(root: int) -> set[str]:
+    """Names of the ``/dev/shm`` files that ``root``'s process tree has mapped."""
+    marker = f"{SHM_DIR}/"
+    names = set()
+    for pid in descendants(root):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            at = line.find(marker)
+            if at >= 0:
+                name = line[at + len(marker) :].removesuffix(" (deleted)").strip()
+                if name and "/" not in name:
+                    names.add(name)
+    return names
+
+
+def remove_segments(names: set[str]) -> list[str]:
+    removed = []
+    for name in sorted(names):
+        try:
+            (SHM_DIR / name).unlink()
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
 
 
 @dataclass
@@ -114,8 +189,12 @@ class TrainerResult:
     """Exit status; None when we stopped it."""
     stopped: bool
     last_step: int
+    stalled: bool = False
+    """Stopped by us after ``stall_s`` seconds without a line of output."""
     checkpoints: list[int] = field(default_factory=list)
     tail: list[str] = field(default_factory=list)
+    removed_segments: list[str] = field(default_factory=list)
+    """``/dev/shm`` files of the tree that were still there when it had gone."""
 
 
 def saved_steps(checkpoint_dir: Path) -> list[int]:
@@ -186,8 +265,11 @@ def supervise(
     term_grace_s: float = TERM_GRACE_S,
     poll_s: float = 0.2,
     tail_lines: int = 40,
+    stall_s: float | None = None,
+    shm_scan_s: float = SHM_SCAN_S,
 ) -> TrainerResult:
-    """Run the trainer to the end, or until ``ctx.cancelled()``; stream what it prints.
+    """Run the trainer to the end, until ``ctx.cancelled()``, or until it prints nothing for
+    ``stall_s`` seconds (then ``stalled``; its return code is None); stream what it prints.
 
     Every output line goes to ``log_path``; metric lines go to ``ctx.log_metrics``; each
     step heartbeats; each finished checkpoint is registered once (also across requeues: the
@@ -220,11 +302,23 @@ def supervise(
     result = TrainerResult(returncode=None, stopped=False, last_step=0)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     eof = False
+    last_output = time.monotonic()
+    segments: set[str] = set()
+    last_scan = -math.inf
     try:
         with log_path.open("a", encoding="utf-8") as log:
             while not eof:
+                if time.monotonic() - last_scan >= shm_scan_s:
+                    segments |= shm_segments_of(proc.pid)
+                    last_scan = time.monotonic()
                 if ctx.cancelled():
                     result.stopped = True
+                    segments |= shm_segments_of(proc.pid)
+                    stop_process_group(proc, term_grace_s)
+                    break
+                if stall_s is not None and time.monotonic() - last_output > stall_s:
+                    result.stalled = True
+                    segments |= shm_segments_of(proc.pid)
                     stop_process_group(proc, term_grace_s)
                     break
                 try:
@@ -233,6 +327,7 @@ def supervise(
                     line = ""
                 while line is not None:
                     if line:
+                        last_output = time.monotonic()
                         log.write(line)
                         result.tail = [*result.tail[-(tail_lines - 1) :], line.rstrip("\n")]
                         parsed = parse_metric_line(line)
@@ -257,7 +352,8 @@ def supervise(
                         result.checkpoints.append(step)
                         register_checkpoint(ctx, checkpoint_dir, step)
                 ctx.heartbeat(result.last_step)
-        if not result.stopped:
+        if not result.stopped and not result.stalled:
+            segments |= shm_segments_of(proc.pid)
             result.returncode = proc.wait()
             # The leader exited; anything it left behind in its group goes too.
             if group_alive(proc.pid):
@@ -267,4 +363,5 @@ def supervise(
         raise
     finally:
         reader.join(timeout=5)
+        result.removed_segments = remove_segments(segments)
     return result
