@@ -38,13 +38,19 @@ model: install
 datasets: install
 	$(PY) scripts/build_datasets.py
 
+# The two passes run side by side: their live tests spend much of their time waiting on
+# worker subprocesses that train on one thread, so two passes fill two cores. Each pass has
+# its own data directory (dataset files are named by row id, which both databases reuse).
+# The verl venv is built first (a no-op when its pins are unchanged); where it cannot be
+# built the verl tests skip, as the browser tests do without Chromium.
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
-	$(MAKE) test-embedded
-	$(MAKE) test-services
+	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
+	$(MAKE) -j2 --output-sync=target test-embedded test-services
 
 test-embedded:
-	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q
+	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-embedded \
+		$(PY) -m pytest -q --durations=15
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started
 # (tests/conftest.py marks those `live`). The database and the embedded Valkey are real.
@@ -55,7 +61,9 @@ test-fast: install
 # tests (tests/training) touch neither and ran once already.
 test-services:
 	@if $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"; then \
-		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" $(PY) -m pytest -q --ignore=tests/training -m "not once"; \
+		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" \
+		OPENTINKER_DATA_DIR=$(CURDIR)/var/test-services \
+		$(PY) -m pytest -q --durations=15 --ignore=tests/training -m "not once"; \
 	else \
 		echo "PostgreSQL or Redis not reachable: skipped the run against real services"; \
 	fi

@@ -41,7 +41,7 @@ def permission_denied(request: HttpRequest, exception: Exception) -> HttpRespons
 
 def page_not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     if wants_json(request):
-        return JsonResponse({"detail": f"no endpoint {request.path}"}, status=404)
+        return JsonResponse({"detail": f"no endpoint {request.method} {request.path}"}, status=404)
     return defaults.page_not_found(request, exception)
 
 

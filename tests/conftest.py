@@ -23,6 +23,15 @@ LIVE_FIXTURES = {
     "env_worker",
 }
 LIVE_DIRECTORIES = {"e2e"}
+# Tests that exercise neither the database nor Redis in a way the backend changes, and that
+# build or hold shared state under var/ (the client's venv, the verl venvs): the embedded
+# pass runs them, the pass against PostgreSQL and Redis (alongside it) does not.
+ONCE_PATHS = (
+    "architecture/",
+    "client/test_isolated_install.py",
+    "workers/test_verl_compose.py",
+    "e2e/test_verl_real.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,3 +41,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         uses_live_fixture = LIVE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if area in LIVE_DIRECTORIES or uses_live_fixture:
             item.add_marker(pytest.mark.live)
+        relative = Path(str(item.fspath)).resolve().relative_to(tests_dir).as_posix()
+        if relative.startswith(ONCE_PATHS):
+            item.add_marker(pytest.mark.once)

@@ -19,7 +19,7 @@ def _json_error(response, status: int) -> str:
 
 def test_it_answers_an_unknown_api_path_with_json_404(owner_client):
     detail = _json_error(owner_client.get("/api/v1/no-such-thing"), 404)
-    assert detail == "no endpoint /api/v1/no-such-thing"
+    assert detail == "no endpoint GET /api/v1/no-such-thing"
 
 
 def test_it_answers_an_unknown_tinker_endpoint_with_json_404(owner_client):

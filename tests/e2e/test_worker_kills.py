@@ -8,6 +8,7 @@ import io
 import os
 import signal
 import subprocess
+import time
 import zipfile
 from typing import Any
 
@@ -55,6 +56,7 @@ def test_it_finishes_a_killed_workers_job_with_the_undisturbed_adapter(
         90,
         "step 3",
     )
+    struck = time.monotonic()
     if victim == "pool-child":
         # The OOM killer's usual pick: the process running the job. The worker's main process
         # replaces it; the job's lease lapses and the reaper requeues it onto this worker.
@@ -69,7 +71,9 @@ def test_it_finishes_a_killed_workers_job_with_the_undisturbed_adapter(
         TEST_LEASE_SECONDS * 4 + 30,
         "the reaper to requeue the job",
     )
+    requeued_after = time.monotonic() - struck
     job = finished(job_id, 180)
+    took = time.monotonic() - struck
     assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
     assert job.attempt == 2  # the kill cost one attempt, and only one
     assert steps_of(series(owner_client, job_id)["loss"]) == list(range(1, STEPS + 1))
@@ -77,6 +81,7 @@ def test_it_finishes_a_killed_workers_job_with_the_undisturbed_adapter(
     got = adapter_tensors(owner_client, job_id)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[name], expected[name]) for name in expected), "adapters differ"
+    print(f"{victim}: requeued {requeued_after:.1f} s and SUCCEEDED {took:.1f} s after the kill")
 
 
 def finished_state(job_id: str) -> bool:
