@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.report import write_section as record
 
 GOAL_S = 5.0
 
@@ -111,7 +112,6 @@ def cancel_round(client: Any, log_path: Path) -> float:
 
 
 def write_section(result: dict[str, Any], command: str, database: str) -> Path:
-    path = ROOT / "docs" / "benchmarks.md"
     quiet = ", ".join(f"{s:.2f}" for s in result["quiet"])
     loaded = ", ".join(f"{s:.2f}" for s in result["loaded"])
     section = f"""## Cancel to a free block
@@ -135,14 +135,7 @@ The runner reads the cancel flag before and after each phase of a step and stops
 next read; when it does not stop within {result["grace"]:.0f} s the `enforce_cancel` task
 releases the lease itself and ends the job, and billing stops at the request either way.
 """
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Cancel to a free block\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-    return path
+    return record("Cancel to a free block", section)
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import write_section as record
 
 ROUNDS = 5
 
@@ -136,7 +136,6 @@ def setup_django() -> str:
 
 
 def write_section(results: dict[str, dict[str, float]], command: str, database: str) -> Path:
-    path = ROOT / "docs" / "benchmarks.md"
     lock, api = results["lock"], results["api"]
     section = f"""## Control plane
 
@@ -157,15 +156,7 @@ reads; on SQLite most of it is the fsync of the commit (a profile puts ~15 ms of
 are medians of {ROUNDS} interleaved rounds; the machine is shared, so absolute rates move a
 lot between runs while the ratios move much less.
 """
-    header = "# Benchmarks\n\nEach figure is a ratio to a baseline measured in the same run.\n"
-    text = path.read_text() if path.exists() else header
-    pattern = re.compile(r"^## Control plane\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-    return path
+    return record("Control plane", section)
 
 
 def main() -> None:

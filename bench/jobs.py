@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.report import write_section as record
 
 NODE = "benchnode"
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -223,7 +224,6 @@ def run_in_process(engine: Any, spec_data: dict[str, Any], n: int) -> tuple[floa
 
 
 def write_section(result: dict[str, Any], command: str, database: str) -> Path:
-    path = ROOT / "docs" / "benchmarks.md"
     rounds = ", ".join(f"{r:.3f}" for r in result["ratios"])
     per_step_ms = 1000 * (result["managed_s"] - result["in_process_s"]) / result["steps"]
     best_m, best_i = result["best_managed_s"], result["best_in_process_s"]
@@ -258,19 +258,7 @@ database took {result["unbuffered_ms"]:.2f} ms per step with one transaction per
 machine is shared by several people, so single times move by 10-20 % between runs; the ratio
 of interleaved rounds moves less.
 """
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Managed jobs\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    found = pattern.search(text)
-    if found:
-        # Subsections (the demo's measurements) are written by hand: keep them.
-        kept = found.group(0).partition("\n### ")
-        if kept[1]:
-            section += "\n### " + kept[2].rstrip() + "\n"
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-    return path
+    return record("Managed jobs", section, keep_subsections=True)
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import resource
 import sys
 import time
@@ -40,6 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.report import write_section as record
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -248,7 +250,6 @@ def main() -> None:
 
 
 def write_section(r: dict[str, Any], command: str, loadavg: str, args: argparse.Namespace) -> Path:
-    path = ROOT / "docs" / "benchmarks.md"
     section = f"""## MFU on an 85M-parameter model
 
 Command: `{command}` ({time.strftime("%Y-%m-%d")}, {os.cpu_count()} CPU cores, {args.threads}
@@ -273,16 +274,7 @@ full fine-tuning (AdamW moments for every weight). FLOPs per token: full 6N + 12
 4N + 6N_lora + 12LdT, prefill 2N + 4LdT; decode reads 4N bytes of weights and the KV cache
 per token.
 """
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(
-        r"^## MFU on an 85M-parameter model\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL
-    )
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-    return path
+    return record("MFU on an 85M-parameter model", section)
 
 
 if __name__ == "__main__":
