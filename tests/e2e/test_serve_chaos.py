@@ -11,7 +11,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,11 +28,10 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from tests.e2e.test_managed_training import rl_spec
+from tests.fixtures.served import ROOT, embedded_env, free_port, start_manage
 from tests.fixtures.workers import wait_for
 from workers.locktable import GpuLockTable
 from workers.processes import group_alive
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # The service under test is its own (its own Valkey and SQLite): the pass against PostgreSQL
 # and Redis would run the very same thing again.
@@ -43,12 +41,6 @@ STEPS = 30
 SPEC = rl_spec("builtin:arith_train", steps=STEPS, eval_every=0, checkpoint_every=5, seed=5)
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 KEY_ARGS = ("--user", "chaos", "--team", "chaos", "--create")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -129,31 +121,19 @@ class Service:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     data_dir = tmp_path_factory.mktemp("served")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(
-        DJANGO_SETTINGS_MODULE="opentinker_site.settings.local",
-        OPENTINKER_DATA_DIR=str(data_dir),
+    port = free_port()
+    env = embedded_env(
+        data_dir,
+        "chaos",
         OPENTINKER_VALKEY_DIR=str(data_dir / "valkey"),
-        OPENTINKER_NODE_NAME="chaos",
-        OPENTINKER_GPUS="",
         OPENTINKER_CPU_SLOTS="1",
-        CUDA_VISIBLE_DEVICES="",
         # Short leases: a job whose lease vanished with the Valkey is requeued in seconds.
         OPENTINKER_JOB_LEASE_SECONDS="3",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
     log_path = data_dir / "serve.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), "serve", "--port", str(port)],
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+    proc = start_manage(["serve", "--port", str(port)], env, log_path)
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
     served = Service(proc, data_dir, log_path, api)
     try:

@@ -7,7 +7,6 @@ default spec is checked against the same validation a submission gets.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,20 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.served import embedded_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.live
 @pytest.mark.timeout(180)
 def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(
-        DJANGO_SETTINGS_MODULE="opentinker_site.settings.local",
-        OPENTINKER_DATA_DIR=str(tmp_path),
-        OPENTINKER_NODE_NAME="demonode",
-        OPENTINKER_GPUS="",
-        CUDA_VISIBLE_DEVICES="",
-    )
+    env = embedded_env(tmp_path, "demonode")
     out = subprocess.run(
         [
             sys.executable,

@@ -7,26 +7,18 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.fixtures.served import embedded_env, free_port, port_open, start_manage
 from tests.fixtures.workers import wait_for
 from workers.processes import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(240)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _healthy(url: str) -> bool:
@@ -36,32 +28,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 def test_it_restarts_a_killed_worker_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(
-        DJANGO_SETTINGS_MODULE="opentinker_site.settings.local",
-        OPENTINKER_DATA_DIR=str(tmp_path),
-        OPENTINKER_NODE_NAME="supervised",
-        OPENTINKER_GPUS="",
-        CUDA_VISIBLE_DEVICES="",
-    )
+    port = free_port()
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log_file:
-        serve = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), "serve", "--port", str(port)],
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+    serve = start_manage(
+        ["serve", "--port", str(port)], embedded_env(tmp_path, "supervised"), log_path
+    )
     health = f"http://127.0.0.1:{port}/healthz"
 
     def log() -> str:
@@ -90,39 +62,16 @@ def test_it_restarts_a_killed_worker_and_stops_everything_on_sigterm(tmp_path: P
         code = serve.wait(timeout=90)
     assert code == 0, log()
     assert not group_alive(second) and not group_alive(web)
-    assert not _port_open(redis_port), "the embedded Valkey outlived serve"
+    assert not port_open(redis_port), "the embedded Valkey outlived serve"
 
 
 def test_it_stops_the_service_it_started_when_demo_gets_sigterm(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(
-        DJANGO_SETTINGS_MODULE="opentinker_site.settings.local",
-        OPENTINKER_DATA_DIR=str(tmp_path),
-        OPENTINKER_NODE_NAME="demoterm",
-        OPENTINKER_GPUS="",
-        CUDA_VISIBLE_DEVICES="",
-    )
     out_path = tmp_path / "demo.out"
-    with open(out_path, "wb") as out:
-        demo = subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "manage.py"),
-                "demo",
-                "--smoke",
-                "--steps",
-                "1000",
-                "--step-seconds",
-                "0.2",
-                "--port",
-                str(_free_port()),
-            ],
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    demo = start_manage(
+        ["demo", "--smoke", "--steps", "1000", "--step-seconds", "0.2", "--port", str(free_port())],
+        embedded_env(tmp_path, "demoterm"),
+        out_path,
+    )
     serve_log = tmp_path / "serve.log"
 
     def seen(pattern: str) -> re.Match[str] | None:
@@ -140,4 +89,4 @@ def test_it_stops_the_service_it_started_when_demo_gets_sigterm(tmp_path: Path) 
     assert code != 0 and b"stopped by SIGTERM" in out_path.read_bytes()
     for match in (worker, web):
         assert not group_alive(int(match.group(1)))
-    assert not _port_open(int(redis_at.group(1))), "the embedded Valkey outlived demo"
+    assert not port_open(int(redis_at.group(1))), "the embedded Valkey outlived demo"
