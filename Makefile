@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo serve test test-fast test-embedded test-services install model datasets bench lint clean verl-env
+.PHONY: demo serve test test-fast test-embedded test-services test-verl test-services-then-verl install model datasets bench lint clean verl-env
 
 demo: install
 	$(PY) manage.py demo
@@ -38,24 +38,36 @@ model: install
 datasets: install
 	$(PY) scripts/build_datasets.py
 
-# The two passes run side by side: their live tests spend much of their time waiting on
-# worker subprocesses that train on one thread, so two passes fill two cores. Each pass has
-# its own data directory (dataset files are named by row id, which both databases reuse).
-# The verl venv is built first (a no-op when its pins are unchanged); where it cannot be
-# built the verl tests skip, as the browser tests do without Chromium.
+# Two lanes side by side: the embedded pass, and the pass against PostgreSQL + Redis followed
+# by the real verl jobs (minutes each; on the embedded defaults). Their live tests spend much
+# of their time waiting on worker subprocesses that train on one thread, so two lanes fill two
+# cores. Each run has its own data directory (dataset files are named by row id, which the
+# databases reuse). The verl venv is built first (a no-op when its pins are unchanged); where
+# it cannot be built the verl tests skip, as the browser tests do without Chromium.
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
 	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
-	$(MAKE) -j2 --output-sync=target test-embedded test-services
+	$(MAKE) -j2 --output-sync=target test-embedded test-services-then-verl
 
 test-embedded:
 	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-embedded \
-		$(PY) -m pytest -q --durations=15
+		$(PY) -m pytest -q --durations=15 -m "not verl"
+
+# verl's real trainer (tests marked `verl`), on the embedded defaults.
+test-verl:
+	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-verl \
+		$(PY) -m pytest -q --durations=15 -m verl
+
+# Both run even when the first fails; the lane fails if either did.
+test-services-then-verl:
+	@$(MAKE) --no-print-directory test-services; services=$$?; \
+		$(MAKE) --no-print-directory test-verl; verl=$$?; \
+		test $$services -eq 0 -a $$verl -eq 0
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started
 # (tests/conftest.py marks those `live`). The database and the embedded Valkey are real.
 test-fast: install
-	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q -m "not live and not slow and not gpu"
+	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q -m "not live and not slow and not gpu and not verl"
 
 # The same suite against real PostgreSQL and Redis, when this machine has them. The engine's
 # tests (tests/training) touch neither and ran once already.
