@@ -1,6 +1,6 @@
 """Engine benchmarks: each result is a ratio against a baseline measured in the same run.
 
-    .venv/bin/python bench/engine.py [--model tiny] [--threads 2] [--only train,sample,grpo]
+    .venv/bin/python bench/engine.py [--model tiny] [--threads 2] [--only train,sample,grpo,pack]
 
 1. train:  `forward_backward` + `optim_step` tokens/s vs a plain transformers + peft step on
            the same batch (goal >= 1.0x).
@@ -8,6 +8,9 @@
            `generate` calls, fixed length (goal >= 3x).
 3. grpo:   one GRPO step (sample a group, score, update) vs TRL's GRPOTrainer with the same
            model, LoRA rank, group size and lengths (goal >= 1.5x).
+4. pack:   `forward_backward` + `optim_step` on 16 datums of 10-1000 tokens packed end to end
+           vs padded to the longest (the gain), and vs rows of the longest length without
+           padding (the engine's own tokens/s on long rows; goal >= 0.8x).
 
 Timings are medians over repeated runs, ours and the baseline interleaved, because these
 machines are shared and noisy.
@@ -33,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from training import data, onednn, ops, rl
+from training import data, onednn, ops, packing, rl
 from training.engine import Engine
 from training.lora import DEFAULT_TARGET_MODULES
 from training.sampler import SampleRequest, generate, sample
@@ -139,6 +142,56 @@ def bench_train(model_path: str) -> dict[str, float]:
         "ours_tok_s": n_tokens / mine,
         "peft_tok_s": n_tokens / base,
         "ratio": base / mine,
+    }
+
+
+# -- 4. packed batches ----------------------------------------------------------------------
+
+# A long multi-turn batch: 16 datums from 10 to 1000 tokens, spaced evenly on a log scale.
+PACK_LENGTHS = [round(10 * 100 ** (i / 15)) for i in range(16)]
+
+
+def bench_pack(model_path: str, rounds: int) -> dict[str, float]:
+    """`forward_backward` + `optim_step` on the mixed-length batch packed vs padded to its
+    longest datum, and packed vs a batch of the same shape without any padding to gain (rows
+    as long as the longest datum, as many as the packed batch has): the engine's tokens/s on
+    long sequences, which packing should come close to."""
+    engine = Engine(model_path, device="cpu")
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(lengths: list[int]) -> list[Datum]:
+        return [
+            Datum.from_sequence(torch.randint(3, vocab, (n + 1,), generator=gen)) for n in lengths
+        ]
+
+    mixed = batch(PACK_LENGTHS)
+    longest = max(PACK_LENGTHS)
+    layout = packing.plan(PACK_LENGTHS, ["p"] * len(PACK_LENGTHS), torch.device("cpu"))
+    assert layout is not None, "the mixed batch must be packed"
+    full_rows = batch([longest] * layout.rows)
+    policy = engine.create_policy(rank=RANK, alpha=ALPHA, seed=0)
+    adam = AdamParams(learning_rate=LR)
+
+    def step(datums: list[Datum], pack: bool | None) -> Callable[[], None]:
+        def run() -> None:
+            ops.forward_backward(policy, datums, "cross_entropy", pack=pack)
+            ops.optim_step(policy, adam)
+
+        return run
+
+    packed_s, padded_s = _interleaved(step(mixed, None), step(mixed, False), rounds, reps=1)
+    full_s = _median_time(step(full_rows, False), repeats=rounds)
+    mixed_tokens = sum(PACK_LENGTHS)
+    full_tokens = longest * layout.rows
+    return {
+        "tokens": mixed_tokens,
+        "rows": layout.rows,
+        "packed_tok_s": mixed_tokens / packed_s,
+        "padded_tok_s": mixed_tokens / padded_s,
+        "full_tok_s": full_tokens / full_s,
+        "gain": padded_s / packed_s,
+        "vs_full": (mixed_tokens / packed_s) / (full_tokens / full_s),
     }
 
 
@@ -358,8 +411,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="engine benchmarks (ratios)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", default="train,sample,grpo")
+    parser.add_argument("--only", default="train,sample,grpo,pack")
     parser.add_argument("--grpo-steps", type=int, default=6)
+    parser.add_argument("--pack-rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -385,6 +439,16 @@ def main() -> None:
             f"   projections through F.linear (MKL) as in the baseline, instead of oneDNN "
             f"({'used' if r['onednn'] else 'not available'}): {r['ours_mkl_s'] * 1000:.0f} ms, "
             f"{r['ratio_mkl']:.2f}x"
+        )
+    if "pack" in wanted:
+        r = bench_pack(args.model, args.pack_rounds)
+        print(
+            f"4. packed batch, {len(PACK_LENGTHS)} datums of {min(PACK_LENGTHS)}-"
+            f"{max(PACK_LENGTHS)} tokens ({r['tokens']} tokens in {r['rows']} packed rows), "
+            f"forward_backward+optim_step: packed {r['packed_tok_s']:.0f} tok/s vs padded to the "
+            f"longest {r['padded_tok_s']:.0f} tok/s: {r['gain']:.2f}x; vs {r['rows']} unpadded "
+            f"rows of {max(PACK_LENGTHS)} tokens {r['full_tok_s']:.0f} tok/s: {r['vs_full']:.2f}x "
+            f"(goal >= 0.8x)"
         )
     if "grpo" in wanted:
         r = bench_grpo(args.model, args.grpo_steps)

@@ -4,7 +4,9 @@ A call may mix datums of several policies of one engine: LoRA rows go through th
 model in ONE forward, each row routed to its own adapter by `LoRAHost.route`; a fully
 fine-tuned policy runs its private model on its rows. Datums of different lengths are right
 padded; with causal attention a real token never attends to the padding after it, so no
-attention mask is needed and the padded positions are simply excluded from the loss.
+attention mask is needed and the padded positions are simply excluded from the loss. When the
+lengths differ widely, the datums are packed end to end instead (`training.packing`) and the
+log-probs scattered back to the padded layout, so losses see the same tensors either way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training import packing
+from training.chunked_head import ChunkedLoRAHeadLogprob, ChunkedTargetLogprob, lora_head_logits
 from training.lora import MultiLoRALinear
 from training.losses import LOSSES, LossBatch, LossFn, get_loss
 from training.policy import Policy
@@ -83,8 +87,10 @@ def _target_logprobs(
     targets: torch.Tensor,
     valid: torch.Tensor,
     loss_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, T) log p(target | prefix), each row under its own policy; 0 on padding."""
+    """(B, T) log p(target | prefix), each row under its own policy; 0 on padding.
+    `position_ids` restart at 0 at each datum of a packed row (see `training.packing`)."""
     lora_rows = [i for i, p in enumerate(policies) if not p.is_full_finetune]
     groups: list[tuple[list[int], nn.Module, AbstractContextManager[None]]] = []
     if lora_rows:
@@ -103,13 +109,16 @@ def _target_logprobs(
     if len(groups) == 1:
         _, model, ctx = groups[0]
         with ctx:
-            return _logprobs_of(model, input_ids, targets, valid, loss_mask)
+            return _logprobs_of(model, input_ids, targets, valid, loss_mask, position_ids)
     parts = []
     for rows, model, ctx in groups:
         index = torch.tensor(rows, device=input_ids.device)
         sub_mask = None if loss_mask is None else loss_mask[index]
+        sub_positions = None if position_ids is None else position_ids[index]
         with ctx:
-            lp = _logprobs_of(model, input_ids[index], targets[index], valid[index], sub_mask)
+            lp = _logprobs_of(
+                model, input_ids[index], targets[index], valid[index], sub_mask, sub_positions
+            )
         parts.append((index, lp))
     index = torch.cat([i for i, _ in parts])
     values = torch.cat([v for _, v in parts])
@@ -120,146 +129,6 @@ def _target_logprobs(
 # Above this many logits (N x V) the head runs in chunks and recomputes them in backward, so a
 # large vocabulary (Qwen: 151k) never holds an (N, V) float32 tensor for the whole batch.
 _HEAD_CHUNK_ELEMENTS = 1 << 26
-
-
-# The autograd Functions type `ctx` as Any, as torch's own signatures do: FunctionCtx declares
-# neither saved_tensors nor needs_input_grad, nor the attributes stored on it here.
-class _ChunkedTargetLogprob(torch.autograd.Function):
-    """log_softmax(h @ W^T + b)[target], computed chunk by chunk without saving the logits."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden_N_H: torch.Tensor,
-        weight_V_H: torch.Tensor,
-        bias_V: torch.Tensor | None,
-        targets_N: torch.Tensor,
-        chunk: int,
-    ) -> torch.Tensor:
-        out = torch.empty(hidden_N_H.shape[0], device=hidden_N_H.device)
-        for start in range(0, hidden_N_H.shape[0], chunk):
-            stop = start + chunk
-            logits = F.linear(hidden_N_H[start:stop], weight_V_H, bias_V).float()
-            picked = logits.gather(1, targets_N[start:stop, None])[:, 0]
-            out[start:stop] = picked - torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N)
-        ctx.chunk = chunk
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden_N_H, weight_V_H, bias_V, targets_N = ctx.saved_tensors
-        chunk = ctx.chunk
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(hidden_N_H) if need_h else None
-        grad_w = torch.zeros_like(weight_V_H, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
-        for start in range(0, hidden_N_H.shape[0], chunk):
-            stop = start + chunk
-            h = hidden_N_H[start:stop]
-            g = grad_N[start:stop]
-            # d logprob[t] / d logits = onehot(t) - softmax(logits)
-            dlogits = torch.softmax(F.linear(h, weight_V_H, bias_V).float(), dim=-1)
-            dlogits.mul_(-g[:, None])
-            dlogits.scatter_add_(1, targets_N[start:stop, None], g[:, None])
-            if grad_h is not None:
-                grad_h[start:stop] = (dlogits.to(weight_V_H.dtype) @ weight_V_H).to(h.dtype)
-            if grad_w is not None:
-                grad_w += dlogits.t() @ h.float()
-            if grad_b is not None:
-                grad_b += dlogits.sum(dim=0)
-        return (
-            grad_h,
-            None if grad_w is None else grad_w.to(weight_V_H.dtype),
-            None if grad_b is None else grad_b.to(bias_V.dtype),
-            None,
-            None,
-        )
-
-
-class _ChunkedLoRAHeadLogprob(torch.autograd.Function):
-    """log_softmax(h @ W^T + b + s * (h @ A^T) @ B^T)[target], chunk by chunk: the output
-    head with a LoRA adapter (LoRA on the unembedding), without saving the logits."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden_N_H: torch.Tensor,
-        weight_V_H: torch.Tensor,
-        bias_V: torch.Tensor | None,
-        a_R_H: torch.Tensor,
-        b_V_R: torch.Tensor,
-        targets_N: torch.Tensor,
-        scaling: float,
-        chunk: int,
-    ) -> torch.Tensor:
-        out = torch.empty(hidden_N_H.shape[0], device=hidden_N_H.device)
-        for start in range(0, hidden_N_H.shape[0], chunk):
-            h = hidden_N_H[start : start + chunk]
-            logits = _lora_head_logits(h, weight_V_H, bias_V, a_R_H, b_V_R, scaling)
-            picked = logits.gather(1, targets_N[start : start + chunk, None])[:, 0]
-            out[start : start + chunk] = picked - torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, a_R_H, b_V_R, targets_N)
-        ctx.scaling, ctx.chunk = scaling, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        hidden_N_H, weight_V_H, bias_V, a_R_H, b_V_R, targets_N = saved
-        scaling, chunk = ctx.scaling, ctx.chunk
-        need_h, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
-        grad_h = torch.zeros_like(hidden_N_H) if need_h else None
-        grad_w = torch.zeros_like(weight_V_H, dtype=torch.float32) if need_w else None
-        grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
-        grad_a = torch.zeros_like(a_R_H, dtype=torch.float32) if need_a else None
-        grad_b = torch.zeros_like(b_V_R, dtype=torch.float32) if need_b else None
-        a32, b32 = a_R_H.float(), b_V_R.float()
-        for start in range(0, hidden_N_H.shape[0], chunk):
-            stop = start + chunk
-            h = hidden_N_H[start:stop]
-            g = grad_N[start:stop]
-            logits = _lora_head_logits(h, weight_V_H, bias_V, a_R_H, b_V_R, scaling)
-            # d logprob[t] / d logits = onehot(t) - softmax(logits)
-            dlogits = torch.softmax(logits, dim=-1)
-            dlogits.mul_(-g[:, None])
-            dlogits.scatter_add_(1, targets_N[start:stop, None], g[:, None])
-            d_hidden_r = (dlogits @ b32) * scaling  # (c, r)
-            h32 = h.float()
-            if grad_h is not None:
-                base = (dlogits.to(weight_V_H.dtype) @ weight_V_H).float()
-                grad_h[start:stop] = (base + d_hidden_r @ a32).to(h.dtype)
-            if grad_w is not None:
-                grad_w += dlogits.t() @ h32
-            if grad_bias is not None:
-                grad_bias += dlogits.sum(dim=0)
-            if grad_a is not None:
-                grad_a += d_hidden_r.t() @ h32
-            if grad_b is not None:
-                grad_b += dlogits.t() @ (h32 @ a32.t()) * scaling
-        return (
-            grad_h,
-            None if grad_w is None else grad_w.to(weight_V_H.dtype),
-            None if grad_bias is None else grad_bias.to(bias_V.dtype),
-            None if grad_a is None else grad_a.to(a_R_H.dtype),
-            None if grad_b is None else grad_b.to(b_V_R.dtype),
-            None,
-            None,
-            None,
-        )
-
-
-def _lora_head_logits(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """(N, V) float32 logits of an output head carrying a LoRA adapter."""
-    delta = F.linear(F.linear(h.to(a.dtype), a), b).float()
-    return F.linear(h, weight, bias).float() + delta * scaling
 
 
 def _adapted_head_logprobs(
@@ -285,11 +154,11 @@ def _adapted_head_logprobs(
         h, t = hidden_N_H[index], targets_N[index]
         if index.numel() * vocab > _HEAD_CHUNK_ELEMENTS:
             chunk = max(1, _HEAD_CHUNK_ELEMENTS // vocab)
-            values = _ChunkedLoRAHeadLogprob.apply(
+            values = ChunkedLoRAHeadLogprob.apply(
                 h, head.weight, head.bias, a, b, t, scaling, chunk
             )
         else:
-            logits = _lora_head_logits(h, head.weight, head.bias, a, b, scaling)
+            logits = lora_head_logits(h, head.weight, head.bias, a, b, scaling)
             values = -F.cross_entropy(logits, t, reduction="none")
         parts.append((index, values))
     rest = (~covered).nonzero().squeeze(1)
@@ -331,7 +200,7 @@ def _head_logprobs(
     vocab = weight.shape[0] if isinstance(head, nn.Linear) and weight is not None else 0
     if vocab and hidden_N_H.shape[0] * vocab > _HEAD_CHUNK_ELEMENTS:
         chunk = max(1, _HEAD_CHUNK_ELEMENTS // vocab)
-        return _ChunkedTargetLogprob.apply(hidden_N_H, head.weight, head.bias, targets_N, chunk)
+        return ChunkedTargetLogprob.apply(hidden_N_H, head.weight, head.bias, targets_N, chunk)
     logits = head(hidden_N_H)  # (N, V)
     # cross_entropy is log_softmax + gather fused, without keeping (N, V) log-probs around.
     return -F.cross_entropy(logits.float(), targets_N, reduction="none")
@@ -343,6 +212,7 @@ def _logprobs_of(
     targets: torch.Tensor,
     valid: torch.Tensor,
     loss_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Target log-probs of one model's rows.
 
@@ -352,6 +222,8 @@ def _logprobs_of(
     batch, length = targets.shape
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        if position_ids is not None:
+            raise ValueError("packed rows need a plain-head model type")
         logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
         flat = _head_logprobs(
             nn.Identity(), logits.reshape(batch * length, -1), targets.reshape(-1)
@@ -359,7 +231,9 @@ def _logprobs_of(
         return flat.view(batch, length) * valid
     # The plain-head model types are transformers models.
     hf_model = cast("PreTrainedModel", model)
-    hidden = hf_model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    hidden = hf_model.get_decoder()(
+        input_ids=input_ids, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     hidden_N_H = hidden.reshape(batch * length, -1)
     targets_N = targets.reshape(-1)
     head = hf_model.get_output_embeddings()
@@ -391,6 +265,7 @@ def _run(
     loss_fn: str | LossFn | None,
     loss_fn_config: Mapping[str, float] | None,
     backward: bool,
+    pack: bool | None,
 ) -> FwdBwdResult:
     policies = _policies_per_row(policy, datums)
     fn = get_loss(loss_fn) if loss_fn is not None else None
@@ -404,10 +279,24 @@ def _run(
     grad_mask = mask
     if fn is not None and fn is LOSSES["cross_entropy"]:
         grad_mask = mask * (inputs["weights"] != 0) if "weights" in inputs else mask
+    loss_mask = grad_mask if fn is not None else None
+    layout = None
+    if pack is not False and base_model.config.model_type in _PLAIN_HEAD_MODEL_TYPES:
+        lengths = [d.length for d in datums]
+        layout = packing.plan(lengths, [p.id for p in policies], device, force=bool(pack))
     with grad:
-        logprobs = _target_logprobs(
-            policies, input_ids, targets, valid, grad_mask if fn is not None else None
-        )
+        if layout is None:
+            logprobs = _target_logprobs(policies, input_ids, targets, valid, loss_mask)
+        else:
+            packed = _target_logprobs(
+                [policies[i] for i in layout.owner_datum],
+                layout.gather(input_ids),
+                layout.gather(targets),
+                layout.gather(valid),
+                None if loss_mask is None else layout.gather(loss_mask),
+                layout.position_ids,
+            )
+            logprobs = layout.scatter(packed, *targets.shape)
         metrics: dict[str, torch.Tensor] = {}
         if fn is not None:
             loss, metrics = fn(LossBatch(logprobs, inputs, mask), loss_fn_config or {})
@@ -436,13 +325,18 @@ def forward_backward(
     datums: Sequence[Datum],
     loss_fn: str | LossFn,
     loss_fn_config: Mapping[str, float] | None = None,
+    *,
+    pack: bool | None = None,
 ) -> FwdBwdResult:
     """Compute the summed loss and add its gradients to each policy's accumulated gradients.
 
     `policy` is one policy for all datums or one per datum. Gradients accumulate until
     `optim_step`. Returns each datum's target log-probabilities and the loss metrics.
+    `pack`: lay the datums end to end in a few rows instead of padding each to the longest
+    (`training.packing`); None packs when that saves enough work, True whenever the model
+    type allows it, False never. The results are the same either way.
     """
-    return _run(policy, datums, loss_fn, loss_fn_config, backward=True)
+    return _run(policy, datums, loss_fn, loss_fn_config, backward=True, pack=pack)
 
 
 def forward(
@@ -450,9 +344,11 @@ def forward(
     datums: Sequence[Datum],
     loss_fn: str | LossFn | None = None,
     loss_fn_config: Mapping[str, float] | None = None,
+    *,
+    pack: bool | None = None,
 ) -> FwdBwdResult:
     """Like `forward_backward` without gradients; metrics only if a loss is named."""
-    return _run(policy, datums, loss_fn, loss_fn_config, backward=False)
+    return _run(policy, datums, loss_fn, loss_fn_config, backward=False, pack=pack)
 
 
 def optim_step(policy: Policy, adam: AdamParams | None = None) -> dict[str, float]:
