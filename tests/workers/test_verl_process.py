@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -330,3 +331,67 @@ def test_it_adds_the_native_runner_metric_names() -> None:
     )
     assert out["reward/mean"] == 0.5 and out["kl"] == 0.01 and out["eval/reward"] == 0.7
     assert out["critic/score/mean"] == 0.5
+
+
+def test_a_resumed_attempt_starts_after_the_last_checkpoint_with_stored_metrics(
+    tmp_path: Path,
+) -> None:
+    """verl saved global_step_4 but the worker died before step 4's metrics were stored: the
+    next attempt resumes from the registered global_step_2, and verl's marker says so."""
+    ctx = _ctx(tmp_path, _spec())
+    ckpt = ctx.workdir / "verl" / "checkpoints"
+    for step in (2, 4):
+        (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    assert verl_process.resume_point(ctx, ckpt) == 0
+    assert not (ckpt / "global_step_2").exists()
+
+    (ckpt / "global_step_2" / "actor").mkdir(parents=True)
+    (ckpt / "global_step_4" / "actor").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    verl_process.register_checkpoint(ctx, ckpt, 2)
+    assert verl_process.resume_point(ctx, ckpt) == 2
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "global_step_2").is_dir() and not (ckpt / "global_step_4").exists()
+
+
+def test_the_next_attempt_kills_what_a_killed_worker_left_and_its_segments(
+    tmp_path: Path,
+) -> None:
+    job_id = f"left-{os.getpid()}"
+    left = subprocess.Popen(
+        ["sleep", "60"], env={**os.environ, verl_process.JOB_MARKER: job_id},
+        start_new_session=True,
+    )  # fmt: skip
+    segment = verl_process.SHM_DIR / f"ot-test-{job_id}"
+    segment.write_bytes(b"x")
+    ray_dir = tmp_path / "ray"
+    ray_dir.mkdir()
+    state = tmp_path / "leftovers.json"
+    verl_process.record_leftovers(state, segments={segment.name}, ray_tmpdir=str(ray_dir))
+    try:
+        assert verl_process.job_processes(job_id) == [left.pid]
+        cleaned = verl_process.clean_leftovers(job_id, state)
+        assert cleaned["killed"] == [left.pid] and cleaned["segments"] == [segment.name]
+        assert left.wait(timeout=10) == -9
+        assert verl_process.job_processes(job_id) == []
+        assert not segment.exists() and not ray_dir.exists() and not state.exists()
+    finally:
+        left.kill()
+        segment.unlink(missing_ok=True)
+
+
+def test_the_trainer_dies_with_the_worker_process_that_started_it(tmp_path: Path) -> None:
+    # A stand-in worker starts a child the way supervise does and is SIGKILLed.
+    code = (
+        "import os, signal, subprocess, sys; from workers.runners import verl_process as v;"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True,"
+        " preexec_fn=v._die_with_parent); print(p.pid, flush=True);"
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)

@@ -34,7 +34,17 @@ from workers.runners.inputs import Rows, base_model_path, dataset_rows
 from workers.runners.verl_agent_loop import agent_loop_config
 from workers.runners.verl_config import build_overrides, is_multi_turn, write_datasets
 from workers.runners.verl_export import export_final
-from workers.runners.verl_process import cuda_visible_devices, entry_command, supervise, tool_python
+from workers.runners.verl_process import (
+    JOB_MARKER,
+    LEFTOVERS_FILE,
+    clean_leftovers,
+    cuda_visible_devices,
+    entry_command,
+    record_leftovers,
+    resume_point,
+    supervise,
+    tool_python,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_PLATFORM_DIR = Path(__file__).resolve().with_name("verl_cpu")
@@ -104,6 +114,7 @@ def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, st
     # verl's Ray workers import the reward function and the agent loop from this checkout.
     paths = [str(REPO_ROOT), env.get("PYTHONPATH", "")]
     env["PYTHONUNBUFFERED"] = "1"
+    env[JOB_MARKER] = str(ctx.job_id)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("WANDB_MODE", "disabled")
     if ray_tmpdir is not None:
@@ -145,10 +156,24 @@ def run(ctx: JobContext) -> None:
         tokenizer=_load_tokenizer(model_path),
     )
     root = ctx.workdir / "verl"
+    leftovers = root / LEFTOVERS_FILE
+    cleaned = clean_leftovers(str(ctx.job_id), leftovers)
+    if cleaned["killed"] or cleaned["segments"]:
+        ctx.event(
+            f"verl: removed what an earlier attempt left: {len(cleaned['killed'])} processes,"
+            f" {len(cleaned['segments'])} shared-memory segments",
+            cleaned,
+        )
+    resumed_from = resume_point(ctx, root / "checkpoints")
+    if resumed_from:
+        # verl redoes the steps after its checkpoint; an earlier attempt's rows past it go.
+        ctx.discard_metrics_after(resumed_from)
+        ctx.event(f"verl resumes from global_step_{resumed_from}", {"step": resumed_from})
     where = "the CPU" if is_cpu_block(ctx) else f"GPUs {cuda_visible_devices(ctx)}"
     ctx.event(f"verl on {spec.env}: {spec.steps} steps on {where}", {"argv": argv})
     # Short and outside the workdir: Ray's socket paths must fit in 107 bytes.
     ray_tmpdir = Path(tempfile.mkdtemp(prefix=f"ot-ray-{ctx.job_id[:8]}-"))
+    record_leftovers(leftovers, ray_tmpdir=str(ray_tmpdir))
     env = trainer_env(ctx, ray_tmpdir)
     stall_s = float(conf.setting("OPENTINKER_VERL_STALL_SECONDS"))
     try:
@@ -161,9 +186,13 @@ def run(ctx: JobContext) -> None:
             log_path=root / "trainer.log",
             env_name=str(spec.env),
             stall_s=stall_s,
+            leftovers_path=leftovers,
         )
     finally:
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
+        # Whatever of the tree left its process group (Ray starts some of its processes in
+        # sessions of their own) goes by the marker, with the segments it mapped.
+        clean_leftovers(str(ctx.job_id), leftovers)
     if result.stopped:
         return
     tail = "\n".join(result.tail[-15:])

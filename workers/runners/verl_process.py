@@ -18,11 +18,16 @@ its processes map while they run and removes those left when the tree is gone.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
+import os
 import queue
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +45,11 @@ CHECKPOINT_INDEX = "checkpoints.jsonl"
 TERM_GRACE_S = 10.0
 SHM_DIR = Path("/dev/shm")
 SHM_SCAN_S = 5.0
+# Every process of a job's verl tree inherits this variable (Ray and vLLM workers take the
+# driver's environment): a later attempt finds what a killed worker left running by it.
+JOB_MARKER = "OT_VERL_JOB"
+LEFTOVERS_FILE = "leftovers.json"
+_PR_SET_PDEATHSIG = 1
 
 _METRIC_LINE = re.compile(r"(?:^|[\s)])step:(\d+) - (.*)$")
 # verl prints values with pprint: numpy scalars show as "np.float64(0.5)".
@@ -154,11 +164,13 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def shm_segments_of(root: int) -> set[str]:
-    """Names of the ``/dev/shm`` files that ``root``'s process tree has mapped."""
+def shm_segments_of(root: int, job_id: str = "") -> set[str]:
+    """Names of the ``/dev/shm`` files that ``root``'s process tree (and, given ``job_id``,
+    every process carrying the job's marker: Ray reparents some) has mapped."""
     marker = f"{SHM_DIR}/"
     names = set()
-    for pid in descendants(root):
+    pids = set(descendants(root)) | set(job_processes(job_id) if job_id else [])
+    for pid in sorted(pids):
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
@@ -170,6 +182,75 @@ def shm_segments_of(root: int) -> set[str]:
                 if name and "/" not in name:
                     names.add(name)
     return names
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live processes whose environment carries ``JOB_MARKER=job_id`` (zombies have none)."""
+    needle = f"{JOB_MARKER}={job_id}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def record_leftovers(path: Path, *, segments: set[str] = frozenset(), ray_tmpdir: str = "") -> None:
+    """Note in the workdir what a kill of this worker would leave behind: the next attempt
+    (``clean_leftovers``) removes it."""
+    state = read_leftovers(path)
+    state["segments"] = sorted(set(state["segments"]) | set(segments))
+    if ray_tmpdir and ray_tmpdir not in state["ray_tmpdirs"]:
+        state["ray_tmpdirs"].append(ray_tmpdir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state), encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_leftovers(path: Path) -> dict[str, list[str]]:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = {}
+    return {
+        "segments": list(state.get("segments") or []),
+        "ray_tmpdirs": list(state.get("ray_tmpdirs") or []),
+    }
+
+
+def clean_leftovers(job_id: str, path: Path, wait_s: float = 10.0) -> dict[str, list]:
+    """SIGKILL what an earlier attempt of the job left running (its worker was killed and
+    the tree, in a session of its own, outlived it), then remove its shared-memory segments
+    and Ray session directories. Before a resume: an old tree would still write checkpoints."""
+    pids = job_processes(job_id)
+    state = read_leftovers(path)
+    segments = set(state["segments"])
+    for pid in pids:
+        segments |= shm_segments_of(pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while pids and job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    removed = remove_segments(segments)
+    for tmpdir in state["ray_tmpdirs"]:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    path.unlink(missing_ok=True)
+    return {"killed": pids, "segments": removed, "ray_tmpdirs": state["ray_tmpdirs"]}
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: the trainer's leader gets SIGKILL when the worker
+    # process that started it dies, so a killed worker does not leave a training driver.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def remove_segments(names: set[str]) -> list[str]:
@@ -233,6 +314,25 @@ def registered_steps(ctx: JobContext) -> set[int]:
     return steps
 
 
+def resume_point(ctx: JobContext, checkpoint_dir: Path) -> int:
+    """The step a new attempt resumes from: the latest checkpoint an earlier attempt
+    registered (its metrics stored). verl's later saves, whose metrics were lost with a
+    killed worker, are deleted, and verl's marker names that step, so that
+    ``trainer.resume_mode=auto`` starts after it; 0 (and no checkpoint left) when none."""
+    saved = saved_steps(checkpoint_dir)
+    kept = [step for step in saved if step in registered_steps(ctx)]
+    point = max(kept, default=0)
+    for step in saved:
+        if step > point:
+            shutil.rmtree(checkpoint_dir / f"global_step_{step}", ignore_errors=True)
+    marker = checkpoint_dir / "latest_checkpointed_iteration.txt"
+    if point:
+        marker.write_text(str(point), encoding="utf-8")
+    else:
+        marker.unlink(missing_ok=True)
+    return point
+
+
 def register_checkpoint(ctx: JobContext, checkpoint_dir: Path, step: int) -> None:
     name = f"global_step_{step}"
     record = {
@@ -267,13 +367,15 @@ def supervise(
     tail_lines: int = 40,
     stall_s: float | None = None,
     shm_scan_s: float = SHM_SCAN_S,
+    leftovers_path: Path | None = None,
 ) -> TrainerResult:
     """Run the trainer to the end, until ``ctx.cancelled()``, or until it prints nothing for
     ``stall_s`` seconds (then ``stalled``; its return code is None); stream what it prints.
 
     Every output line goes to ``log_path``; metric lines go to ``ctx.log_metrics``; each
     step heartbeats; each finished checkpoint is registered once (also across requeues: the
-    index already lists what an earlier attempt registered).
+    index already lists what an earlier attempt registered). The shared-memory segments it
+    sees are noted in ``leftovers_path`` too, for the attempt after a killed worker.
     """
     proc = subprocess.Popen(
         list(argv),
@@ -287,6 +389,7 @@ def supervise(
         bufsize=1,
         # Its own process group: a cancel signals every process the trainer started.
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -309,16 +412,19 @@ def supervise(
         with log_path.open("a", encoding="utf-8") as log:
             while not eof:
                 if time.monotonic() - last_scan >= shm_scan_s:
-                    segments |= shm_segments_of(proc.pid)
+                    seen = shm_segments_of(proc.pid, str(ctx.job_id))
+                    if leftovers_path is not None and not seen <= segments:
+                        record_leftovers(leftovers_path, segments=seen)
+                    segments |= seen
                     last_scan = time.monotonic()
                 if ctx.cancelled():
                     result.stopped = True
-                    segments |= shm_segments_of(proc.pid)
+                    segments |= shm_segments_of(proc.pid, str(ctx.job_id))
                     stop_process_group(proc, term_grace_s)
                     break
                 if stall_s is not None and time.monotonic() - last_output > stall_s:
                     result.stalled = True
-                    segments |= shm_segments_of(proc.pid)
+                    segments |= shm_segments_of(proc.pid, str(ctx.job_id))
                     stop_process_group(proc, term_grace_s)
                     break
                 try:
@@ -345,15 +451,17 @@ def supervise(
                     eof = True
                 log.flush()
                 for step in saved_steps(checkpoint_dir):
-                    if step not in known:
-                        # verl resumes after this step: its metrics must be stored first.
+                    # verl saves step N before it prints step N's metrics, and a resume
+                    # from N redoes only the steps after it: N counts once its metrics
+                    # are stored (the last step's after a clean exit).
+                    if step not in known and (step <= result.last_step or eof):
                         ctx.flush_metrics()
                         known.add(step)
                         result.checkpoints.append(step)
                         register_checkpoint(ctx, checkpoint_dir, step)
                 ctx.heartbeat(result.last_step)
         if not result.stopped and not result.stalled:
-            segments |= shm_segments_of(proc.pid)
+            segments |= shm_segments_of(proc.pid, str(ctx.job_id))
             result.returncode = proc.wait()
             # The leader exited; anything it left behind in its group goes too.
             if group_alive(proc.pid):
