@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo serve test test-fast test-embedded test-services test-verl test-services-then-verl install model datasets bench lint clean verl-env
+.PHONY: demo serve test test-fast test-embedded test-services test-verl test-lane-a test-lane-b install model datasets bench lint clean verl-env
 
 demo: install
 	$(PY) manage.py demo
@@ -38,31 +38,39 @@ model: install
 datasets: install
 	$(PY) scripts/build_datasets.py
 
-# Two lanes side by side: the embedded pass, and the pass against PostgreSQL + Redis followed
-# by the real verl jobs (minutes each; on the embedded defaults). Their live tests spend much
-# of their time waiting on worker subprocesses that train on one thread, so two lanes fill two
-# cores. Each run has its own data directory (dataset files are named by row id, which the
-# databases reuse). The verl venv is built first (a no-op when its pins are unchanged); where
-# it cannot be built the verl tests skip, as the browser tests do without Chromium.
+# Two lanes side by side: the embedded pass, and the pass against PostgreSQL + Redis; the real
+# verl jobs (minutes each; on the embedded defaults) are split between the lanes so that
+# both take about as long. Their live tests spend much of their time waiting on worker
+# subprocesses that train on one thread, so two lanes fill two cores. Each run has its own
+# data directory (dataset files are named by row id, which the databases reuse). The verl
+# venv is built first (a no-op when its pins are unchanged); where it cannot be built the
+# verl tests skip, as the browser tests do without Chromium.
+VERL_LANE_A := gomoku or vllm
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
 	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
-	$(MAKE) -j2 --output-sync=target test-embedded test-services-then-verl
+	$(MAKE) -j2 --output-sync=target test-lane-a test-lane-b
 
 test-embedded:
 	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-embedded \
 		$(PY) -m pytest -q --durations=15 -m "not verl"
 
-# verl's real trainer (tests marked `verl`), on the embedded defaults.
+# verl's real trainer (tests marked `verl`), on the embedded defaults; VERL_K picks some.
+VERL_K ?=
 test-verl:
 	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-verl \
-		$(PY) -m pytest -q --durations=15 -m verl
+		$(PY) -m pytest -q --durations=15 -m verl $(if $(VERL_K),-k "$(VERL_K)")
 
-# Both run even when the first fails; the lane fails if either did.
-test-services-then-verl:
-	@$(MAKE) --no-print-directory test-services; services=$$?; \
-		$(MAKE) --no-print-directory test-verl; verl=$$?; \
-		test $$services -eq 0 -a $$verl -eq 0
+# Each lane runs both of its parts even when the first fails, and fails if either did.
+test-lane-a:
+	@$(MAKE) --no-print-directory test-embedded; first=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_LANE_A)"; second=$$?; \
+		test $$first -eq 0 -a $$second -eq 0
+
+test-lane-b:
+	@$(MAKE) --no-print-directory test-services; first=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A))"; second=$$?; \
+		test $$first -eq 0 -a $$second -eq 0
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started
 # (tests/conftest.py marks those `live`). The database and the embedded Valkey are real.
