@@ -56,20 +56,22 @@ test-embedded:
 		$(PY) -m pytest -q --durations=15 -m "not verl"
 
 # verl's real trainer (tests marked `verl`), on the embedded defaults; VERL_K picks some.
+# The lanes run theirs at the same time, each in its own data directory (and SQLite file).
 VERL_K ?=
+VERL_DATA ?= test-verl
 test-verl:
-	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-verl \
+	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/$(VERL_DATA) \
 		$(PY) -m pytest -q --durations=15 -m verl $(if $(VERL_K),-k "$(VERL_K)")
 
 # Each lane runs both of its parts even when the first fails, and fails if either did.
 test-lane-a:
 	@$(MAKE) --no-print-directory test-embedded; first=$$?; \
-		$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_LANE_A)"; second=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_LANE_A)" VERL_DATA=test-verl-a; second=$$?; \
 		test $$first -eq 0 -a $$second -eq 0
 
 test-lane-b:
 	@$(MAKE) --no-print-directory test-services; first=$$?; \
-		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A))"; second=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A))" VERL_DATA=test-verl-b; second=$$?; \
 		test $$first -eq 0 -a $$second -eq 0
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started
