@@ -101,6 +101,15 @@ def tinker_data_dir(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPat
     return path
 
 
+def sdk_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the SDK tests' worker subprocess inherits: no telemetry, one torch thread, short
+    long polls, and a short idle time so that its model worker ends with the test."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "20")
+    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
+    monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "5")
+
+
 @pytest.fixture
 def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
     """No Tinker futures, streams or registrations left from another test, before or after."""

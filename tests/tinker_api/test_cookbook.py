@@ -42,7 +42,7 @@ from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 
-from tests.tinker_api.conftest import BASE_NAME
+from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -65,10 +65,7 @@ def server(
     script would (``TINKER_BASE_URL``, ``TINKER_API_KEY``)."""
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "20")
-    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
-    monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "5")
+    sdk_worker_env(monkeypatch)
     monkeypatch.setenv("TINKER_API_KEY", "tml-" + owner_key[1])
     monkeypatch.setenv("TINKER_BASE_URL", live_server.url + "/")
     register_tokenizer(BASE_NAME, lambda: AutoTokenizer.from_pretrained(str(base_model_dir)))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.tinker_api.conftest import BASE_NAME
+from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
 from tinker_api import futures
 
 tinker = pytest.importorskip(
@@ -52,10 +52,7 @@ def server(
     monkeypatch: pytest.MonkeyPatch,
     tinker_data_dir: Path,
 ) -> str:
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "20")
-    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
-    monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "5")
+    sdk_worker_env(monkeypatch)
     monkeypatch.setenv("OPENTINKER_TINKER_SEQ_GAP_SECONDS", str(GAP_SECONDS))
     start_worker()
     return live_server.url + "/"

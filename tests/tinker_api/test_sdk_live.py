@@ -22,7 +22,7 @@ tinker = pytest.importorskip(
 )
 from tinker import types
 
-from tests.tinker_api.conftest import BASE_NAME
+from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -36,11 +36,7 @@ def server(
     tinker_data_dir: Path,
 ) -> Iterator[str]:
     """The live server's URL, with a real Celery worker serving the ``gpu`` queue."""
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    # The worker subprocess inherits these: a short idle time lets it end with the test.
-    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "20")
-    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
-    monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "5")
+    sdk_worker_env(monkeypatch)
     start_worker()
     return live_server.url + "/"
 
