@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,envs]'
 	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	touch $(STAMP)
 

@@ -67,7 +67,9 @@ def _checkpoint_entry(root: Path, record: dict[str, Any]) -> dict[str, Any] | No
         match = VERL_CHECKPOINT_NAME.fullmatch(name)
         # verl may have rotated it away (max_actor_ckpt_to_keep).
         path = root / VERL_CHECKPOINT_DIR / name
-        if match is None or not (path / "actor").is_dir():
+        # PPO saves under actor/; the SFT trainer saves its model shards in place.
+        saved = (path / "actor").is_dir() or any(path.glob("model_world_size_*_rank_*.pt"))
+        if match is None or not saved:
             return None
         kind, fmt, step = "verl", "zip", int(match.group(1))
     else:

@@ -377,8 +377,8 @@ class JobSpecV1(BaseModel):
             errors.append(("lora", "give either `lora` or `full_finetune: true`, not both"))
         if self.method in ("rl", "sft") and self.env is not None:
             errors.extend(_env_errors(self))
-        if self.runner == "verl" and self.method == "sft":
-            errors.append(("runner", "the verl runner trains method 'rl' only"))
+        if self.runner == "verl" and self.method == "sft" and self.eval is not None:
+            errors.append(("runner", "eval jobs run on the native runner"))
         if self.runner == "verl" and self.method == "rl":
             errors.extend(_verl_errors(self))
         if errors:

@@ -75,7 +75,7 @@ def test_it_names_the_field_of_a_bad_rl_setting(extra, field):
         ({"method": "sft", **MATH, "rollout": {"group_size": 2}}, "rollout"),
         ({"method": "sft", **MATH, "algorithm": {"loss": "ppo"}}, "algorithm"),
         ({"method": "sft", "env": "bandit"}, "env"),
-        ({"method": "sft", **MATH, "runner": "verl"}, "runner"),
+        ({"method": "sft", **MATH, "runner": "verl", "eval": {}}, "runner"),
         ({"method": "smoke", "steps": 3}, "steps"),
         ({"method": "smoke", "lora": {"rank": 4}}, "lora"),
     ],

@@ -109,3 +109,55 @@ def test_it_builds_the_verl_class_only_on_demand(monkeypatch: pytest.MonkeyPatch
             verl_agent_loop.OpenTinkerEnvAgentLoop  # noqa: B018
     with pytest.raises(AttributeError):
         verl_agent_loop.NoSuchLoop  # noqa: B018
+
+
+def test_it_runs_math_code_in_the_sandbox_like_the_native_rollout() -> None:
+    """math_code through the agent loop's driver: the action's code runs in the real sandbox,
+    its output comes back as a masked observation, and the boxed answer is graded."""
+    from environments.datasets import load_rows, resolve
+
+    row = load_rows(resolve("builtin:arith_train"), "math")[0]
+    (spec,) = group_specs("math_code", rows=[row], n_groups=1, group_size=1, seed=0)
+    # The code prints a marker the prompt cannot contain: it only reaches the context by
+    # running.
+    actions = [
+        f"```python\nprint('sandbox', 6 * 7, {row['answer']!r})\n```",
+        f"\\boxed{{{row['answer']}}}",
+    ]
+
+    def replies() -> Any:
+        return iter(actions)
+
+    served = replies()
+
+    async def generate(prompt_ids: list[int], params: dict[str, Any]) -> Any:
+        toks = _tokens(next(served))
+        return toks, [-0.5] * len(toks)
+
+    out = asyncio.run(
+        play_episode(
+            spec,
+            TOKENIZER,
+            generate,
+            sampling_params={},
+            max_turns=4,
+            response_length=4096,
+            max_tokens=64,
+        )
+    )
+    native_actions = replies()
+
+    def policy(inp: PolicyInput) -> PolicyOutput:
+        toks = _tokens(next(native_actions))
+        return PolicyOutput(tokens=toks, logprobs=[-0.5] * len(toks))
+
+    (episode,) = build_group(spec).make_episodes()
+    native = run_episode(policy, episode, Renderer(TOKENIZER), env_name="math_code", max_turns=4)
+
+    assert out.num_turns == len(native.turns) == 2
+    assert out.reward_score == pytest.approx(native.total_reward) == 1.0
+    assert out.prompt_ids + out.response_ids == native.tokens()
+    assert out.response_mask == native.mask()[len(out.prompt_ids) :]
+    observed = TOKENIZER.decode([t for t, m in zip(out.response_ids, out.response_mask) if not m])
+    assert f"sandbox 42 {row['answer']}" in observed
+    assert out.error is None

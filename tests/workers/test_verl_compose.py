@@ -12,6 +12,7 @@ torch, Ray and the rest of verl's dependencies.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ config_dir = os.path.join(root, "trainer", "config")
 out = {"mismatches": [], "values": {}, "error": None}
 try:
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose("ppo_trainer", overrides=overrides)
+        cfg = compose(os.environ["VERL_CONFIG"], overrides=overrides)
 except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(out))
@@ -116,10 +117,13 @@ def verl_python() -> Path:
     return python
 
 
-def _compose(python: Path, overrides: list[str], *keys: str) -> dict[str, Any]:
+def _compose(
+    python: Path, overrides: list[str], *keys: str, config: str = "ppo_trainer"
+) -> dict[str, Any]:
     done = subprocess.run(
         [str(python), "-c", COMPOSE, *keys],
         input=json.dumps(overrides),
+        env={**os.environ, "VERL_CONFIG": config},
         check=False,
         capture_output=True,
         text=True,
@@ -224,3 +228,38 @@ def test_it_composes_the_cpu_overrides(verl_python: Path, tmp_path: Path) -> Non
     assert out["error"] is None, out["error"]
     assert out["mismatches"] == []
     assert out["values"][f"{A}.actor.strategy"] == "fsdp2"
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu-lora", "gpu-full"])
+def test_it_composes_the_sft_overrides(verl_python: Path, tmp_path: Path, cpu: bool) -> None:
+    from environments.datasets import load_rows, resolve
+
+    data_spec: dict[str, Any] = {
+        "method": "sft",
+        "env": "math",
+        "dataset": "builtin:arith_train",
+        "runner": "verl",
+        "batch_size": 8,
+    }
+    if not cpu:
+        data_spec["full_finetune"] = True
+    spec = parse_spec(data_spec)
+    rows = load_rows(resolve("builtin:arith_train"), "math")[:64]
+    data = verl_config.write_sft_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
+    overrides = verl_config.build_sft_overrides(
+        spec,
+        model_path=tmp_path / "model dir",
+        data=data,
+        checkpoint_dir=tmp_path / "ckpt",
+        n_gpus=2,
+        experiment="job-1",
+        max_length=256,
+        cpu=cpu,
+    )
+    out = _compose(
+        verl_python, overrides, "engine.strategy", "model.lora_rank", config="sft_trainer_engine"
+    )
+    assert out["error"] is None, out["error"]
+    assert out["mismatches"] == []
+    assert out["values"]["engine.strategy"] == ("fsdp2" if cpu else "fsdp")
+    assert out["values"]["model.lora_rank"] == (spec.lora.rank if cpu else 0)

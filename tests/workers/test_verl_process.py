@@ -316,6 +316,11 @@ def test_it_takes_the_entry_command_from_the_settings(settings: Any, tmp_path: P
             (0, {"timing_s/gen": 0.001}),
         ),
         ("step:3 - training/epoch:np.int64(2)", (3, {"training/epoch": 2.0})),
+        # The SFT trainer's progress bar ends with "]" where its metric line starts.
+        (
+            "Epoch 1/1:  25%|##        | 1/4 [00:00<00:00,  3.51it/s]step:2 - train/loss:8.5",
+            (2, {"train/loss": 8.5}),
+        ),
         ("local_global_step_folder: /x/global_step_3", None),
         ("(WorkerDict pid=9) INFO step: not a metric line", None),
     ],

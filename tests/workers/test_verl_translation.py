@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from environments.datasets import load_rows, resolve
+from environments.registry import build_group
 from jobs.spec import SpecError, parse_spec
 from workers.runners import verl, verl_config
 from workers.runners.verl_agent_loop import AGENT_NAME, CLASS_PATH
@@ -195,10 +196,11 @@ def test_it_refuses_what_verl_cannot_run_at_submission() -> None:
     with pytest.raises(SpecError) as selfplay:
         parse_spec({"method": "rl", "env": "gomoku_selfplay", "runner": "verl"})
     assert selfplay.value.errors[0]["field"] == "runner"
-    with pytest.raises(SpecError):
-        parse_spec(
-            {"method": "sft", "env": "math", "dataset": "builtin:arith_train", "runner": "verl"}
-        )
+    sft = {"method": "sft", "env": "math", "dataset": "builtin:arith_train", "runner": "verl"}
+    assert parse_spec(sft).runner == "verl"
+    with pytest.raises(SpecError) as eval_job:
+        parse_spec({**sft, "eval": {}})
+    assert "runner" in {e["field"] for e in eval_job.value.errors}
 
 
 def test_it_refuses_runs_that_cannot_start(tmp_path: Path) -> None:
@@ -213,3 +215,60 @@ def test_it_quotes_values_hydra_would_misread() -> None:
     assert verl_config.hydra_value("it's") == "'it\\'s'"
     assert verl_config.hydra_value(["a", 1, True]) == "[a,1,true]"
     assert verl_config.hydra_value(None) == "null"
+
+
+def test_it_writes_sft_examples_as_verl_messages_with_the_graded_answer(tmp_path: Path) -> None:
+    spec = parse_spec(
+        {
+            "method": "sft",
+            "env": "math",
+            "dataset": "builtin:arith_train",
+            "runner": "verl",
+            "batch_size": 8,
+            "steps": 7,
+            "checkpoint_every": 3,
+            "lora": {"rank": 4, "alpha": 8},
+            "optimizer": {"lr": 3e-4, "grad_clip": 0.5},
+        }
+    )
+    rows = _rows(20)
+    data = verl_config.write_sft_datasets(spec, tmp_path / "data", rows=rows, eval_rows=rows[:4])
+    assert (data.train_rows, data.val_rows) == (20, 4)
+    records = pq.read_table(data.train).to_pylist()
+    by_question = {r["question"]: r for r in rows}
+    seen = set()
+    for record in records:
+        *prompt, answer = record["messages"]
+        assert prompt[-1]["role"] == "user" and answer["role"] == "assistant"
+        (row,) = [r for q, r in by_question.items() if q in prompt[-1]["content"]]
+        seen.add(row["question"])
+        assert answer["content"] == f"\\boxed{{{row['answer']}}}"
+        # The assistant turn is what the env itself grades correct.
+        (episode,) = build_group(
+            {"env": "math", "config": {}, "row": row, "seed": 0, "group_size": 1}
+        ).make_episodes()
+        episode.initial_observation()
+        assert episode.step(answer["content"]).reward == 1.0
+    assert seen == set(by_question)
+    argv = verl_config.build_sft_overrides(
+        spec,
+        model_path="/models/qwen",
+        data=data,
+        checkpoint_dir=tmp_path / "ckpt",
+        n_gpus=2,
+        experiment="job-9",
+        max_length=128,
+        cpu=True,
+    )
+    o = dict(a.split("=", 1) for a in argv)
+    assert len(o) == len(argv)
+    assert o["data.train_batch_size"] == "8" and o["data.micro_batch_size_per_gpu"] == "4"
+    assert o["model.lora_rank"] == "4" and o["model.lora_alpha"] == "8"
+    assert o["optim.lr"] == "0.0003" and o["optim.clip_grad"] == "0.5"
+    # 20 rows make 2 steps of 8 per epoch: 7 steps need 4 epochs.
+    assert o["trainer.total_epochs"] == "4" and o["trainer.total_training_steps"] == "7"
+    assert o["trainer.save_freq"] == "3" and o["trainer.device"] == "cpu"
+    with pytest.raises(ValueError, match="does not split"):
+        verl_config.build_sft_overrides(
+            spec, model_path="/m", data=data, checkpoint_dir=tmp_path, n_gpus=3, experiment="x"
+        )

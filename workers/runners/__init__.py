@@ -8,7 +8,7 @@ is True. Returning normally means success; raising means failure (the exception 
 job's error message). The task around it owns every state transition and the GPU lease.
 
 Built in: ``smoke``, ``rl`` and ``sft`` on the native engine (a spec's default ``runner``),
-``rl`` on verl. Another module adds a pair with ``register``.
+``rl`` and ``sft`` on verl. Another module adds a pair with ``register``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ BUILTIN: dict[tuple[str, str], str] = {
     ("rl", "native"): "workers.runners.native:run",
     ("sft", "native"): "workers.runners.native:run",
     ("rl", "verl"): "workers.runners.verl:run",
+    ("sft", "verl"): "workers.runners.verl:run",
 }
 
 _registry: dict[tuple[str, str], Runner | str] = dict(BUILTIN)

@@ -10,6 +10,9 @@ env's own step, so grading matches the native runner); multi-turn envs run throu
 ``opentinker_env`` agent loop (``workers.runners.verl_agent_loop``), which steps our episodes
 against verl's vLLM server and returns the episode reward.
 
+``method: sft`` runs verl's SFT trainer instead (``verl.trainer.sft_trainer`` under
+torchrun, ``verl_config.build_sft_overrides``): the same supervision, checkpoints and export.
+
 A block without a CUDA device runs verl on its CPU platform
 (``workers/runners/verl_cpu/opentinker_verl_cpu.py``, loaded into every verl process through
 ``VERL_USE_EXTERNAL_MODULES``) with ``verl_config.cpu_overrides``; a GPU block uses none of it.
@@ -32,7 +35,13 @@ from workers import conf
 from workers.runners.base import JobContext
 from workers.runners.inputs import Rows, base_model_path, dataset_rows
 from workers.runners.verl_agent_loop import agent_loop_config
-from workers.runners.verl_config import build_overrides, is_multi_turn, write_datasets
+from workers.runners.verl_config import (
+    build_overrides,
+    build_sft_overrides,
+    is_multi_turn,
+    write_datasets,
+    write_sft_datasets,
+)
 from workers.runners.verl_export import export_final
 from workers.runners.verl_process import (
     JOB_MARKER,
@@ -42,6 +51,7 @@ from workers.runners.verl_process import (
     entry_command,
     record_leftovers,
     resume_point,
+    sft_entry_command,
     supervise,
     tool_python,
 )
@@ -90,6 +100,10 @@ def prepare(
 ) -> list[str]:
     """Write the job's verl inputs under ``ctx.workdir/verl`` and return the full argv."""
     root = ctx.workdir / "verl"
+    if spec.method == "sft":
+        return prepare_sft(
+            ctx, spec, model_path=model_path, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer
+        )
     data = write_datasets(spec, root / "data", rows=rows, eval_rows=eval_rows, tokenizer=tokenizer)
     multi = is_multi_turn(str(spec.env))
     agent_cfg = write_agent_loop_config(root / "agent_loops.yaml") if multi else None
@@ -109,6 +123,36 @@ def prepare(
     return [*entry_command(), *overrides]
 
 
+def prepare_sft(
+    ctx: JobContext,
+    spec: JobSpec,
+    *,
+    model_path: Path,
+    rows: Rows | None,
+    eval_rows: Rows | None,
+    tokenizer: Any = None,
+) -> list[str]:
+    if rows is None:
+        raise ValueError(f"method 'sft' learns from a dataset; env {spec.env!r} has none")
+    root = ctx.workdir / "verl"
+    data = write_sft_datasets(
+        spec, root / "data", rows=rows, eval_rows=eval_rows, tokenizer=tokenizer
+    )
+    n_procs = trainer_processes(ctx)
+    overrides = build_sft_overrides(
+        spec,
+        model_path=model_path,
+        data=data,
+        checkpoint_dir=root / "checkpoints",
+        n_gpus=n_procs,
+        experiment=f"job-{ctx.job_id}",
+        # Rounded up so that a resumed attempt pads identically.
+        max_length=64 * math.ceil((data.max_prompt_tokens or 1024) / 64),
+        cpu=is_cpu_block(ctx),
+    )
+    return [*sft_entry_command(n_procs), *overrides]
+
+
 def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # verl's Ray workers import the reward function and the agent loop from this checkout.
@@ -117,6 +161,8 @@ def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, st
     env[JOB_MARKER] = str(ctx.job_id)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("WANDB_MODE", "disabled")
+    # The SFT trainer's progress bar redraws with carriage returns: noise in the job's log.
+    env.setdefault("TQDM_DISABLE", "1")
     if ray_tmpdir is not None:
         # Ray leaves a session directory per start: one per attempt, removed afterwards.
         env["RAY_TMPDIR"] = str(ray_tmpdir)

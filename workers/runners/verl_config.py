@@ -1,5 +1,6 @@
 """JobSpec -> verl: the parquet files of the job's prompts and the Hydra overrides of verl's
-``ppo_trainer`` config (the verl runner's translation; ``workers.runners.verl`` runs it).
+``ppo_trainer`` config, or for SFT of its ``sft_trainer_engine`` config (the verl runner's
+translation; ``workers.runners.verl`` runs it).
 
 The environment's prompts become parquet files in verl's RLHF schema (``write_datasets``);
 the JobSpec becomes Hydra overrides (``build_overrides``). Rows carry their episode's group
@@ -133,6 +134,57 @@ def write_datasets(
     if tokenizer is not None:
         longest = max(_prompt_tokens(tokenizer, r["prompt"]) for r in (*train, *val))
     return DataFiles(paths[0], paths[1], len(train), len(val), longest)
+
+
+def sft_answer(row: dict[str, Any]) -> str:
+    """The assistant turn an SFT example teaches: the answer as the env grades it, boxed
+    (the native runner's ``sft_datum`` teaches the same text)."""
+    return f"\\boxed{{{row['answer']}}}"
+
+
+def write_sft_datasets(
+    spec: JobSpec,
+    out_dir: Path,
+    *,
+    rows: list[dict[str, Any]],
+    eval_rows: list[dict[str, Any]] | None,
+    tokenizer: Any = None,
+) -> DataFiles:
+    """``train.parquet`` and ``val.parquet`` in the ``messages`` schema of verl's SFT trainer:
+    the env's own first observation, then the graded answer as the assistant turn."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not rows:
+        raise ValueError(f"the dataset of env {spec.env!r} has no rows")
+    val_source = eval_rows or rows[: spec.eval_examples]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / "train.parquet", out_dir / "val.parquet"
+    longest = 0
+    counts = []
+    for path, source in zip(paths, (rows, val_source)):
+        records = []
+        for gs in _group_specs(spec, source, len(source), spec.seed):
+            (episode,) = build_group(gs).make_episodes()
+            try:
+                messages, _stop = episode.initial_observation()
+            finally:
+                episode.close()
+            chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+            chat.append({"role": "assistant", "content": sft_answer(gs["row"])})
+            records.append({"messages": chat})
+            if tokenizer is not None:
+                longest = max(longest, _chat_tokens(tokenizer, chat))
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(records), tmp)
+        os.replace(tmp, path)
+        counts.append(len(records))
+    return DataFiles(paths[0], paths[1], counts[0], counts[1], longest or None)
+
+
+def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
@@ -291,6 +343,85 @@ def build_overrides(
         o[f"{a}.rollout.agent.agent_loop_config_path"] = str(agent_loop_config)
     if cpu:
         o.update(cpu_overrides(n_gpus))
+    return [f"{key}={hydra_value(value)}" for key, value in o.items()]
+
+
+def build_sft_overrides(
+    spec: JobSpec,
+    *,
+    model_path: Path | str,
+    data: DataFiles,
+    checkpoint_dir: Path,
+    n_gpus: int,
+    experiment: str,
+    max_length: int = 1024,
+    cpu: bool = False,
+) -> list[str]:
+    """The Hydra overrides of verl's ``sft_trainer_engine`` config that run an SFT ``spec``
+    (``verl.trainer.sft_trainer`` under torchrun, one process per GPU or CPU slot).
+
+    Raises ``ValueError`` for a run that cannot start (``jobs.spec`` refuses those first).
+    """
+    if spec.method != "sft":
+        raise ValueError(f"verl's SFT trainer runs method 'sft', not {spec.method!r}")
+    if n_gpus < 1:
+        raise ValueError("the verl runner needs at least one GPU in the job's block")
+    if spec.batch_size % n_gpus:
+        raise ValueError(f"batch_size {spec.batch_size} does not split over {n_gpus} GPUs")
+    batches_per_epoch = data.train_rows // spec.batch_size
+    if batches_per_epoch < 1:
+        raise ValueError(
+            f"{data.train_rows} training examples do not fill one step of "
+            f"batch_size={spec.batch_size}"
+        )
+    opt = spec.optimizer
+    o: dict[str, Any] = {
+        "data.train_files": str(data.train),
+        "data.val_files": str(data.val),
+        "data.messages_key": "messages",
+        "data.train_batch_size": spec.batch_size,
+        "data.micro_batch_size_per_gpu": max(1, min(4, spec.batch_size // n_gpus)),
+        "data.max_length": max_length,
+        "data.truncation": "error",
+        "data.use_dynamic_bsz": False,
+        "data.num_workers": 0,
+        "model.path": str(model_path),
+        "model.lora_rank": 0 if spec.full_finetune else spec.lora.rank,
+        "optim.lr": opt.lr,
+        "optim.betas": list(opt.betas),
+        "optim.weight_decay": opt.weight_decay,
+        "optim.clip_grad": opt.grad_clip if opt.grad_clip is not None else 1e9,
+        "trainer.n_gpus_per_node": n_gpus,
+        "trainer.nnodes": 1,
+        "trainer.seed": spec.seed,
+        "trainer.total_training_steps": spec.steps,
+        "trainer.total_epochs": math.ceil(spec.steps / batches_per_epoch),
+        "trainer.save_freq": spec.checkpoint_every or spec.steps,
+        "trainer.test_freq": spec.eval_every or -1,
+        "trainer.default_local_dir": str(checkpoint_dir),
+        "trainer.resume_mode": "auto",
+        "trainer.logger": ["console"],
+        "trainer.project_name": "opentinker",
+        "trainer.experiment_name": experiment,
+    }
+    if not spec.full_finetune:
+        alpha = spec.lora.alpha
+        o["model.lora_alpha"] = int(alpha) if float(alpha).is_integer() else alpha
+        modules = spec.lora.target_modules
+        o["model.target_modules"] = modules if isinstance(modules, str) else list(modules)
+    if cpu:
+        o.update(
+            {
+                "trainer.device": "cpu",
+                # FSDP1 wants a device for sync_module_states; FSDP2 shards on gloo.
+                "engine.strategy": "fsdp2",
+                # Inductor would compile kernels for minutes on two cores.
+                "engine.use_torch_compile": False,
+                # verl defaults to flash-attention and its unpadded kernels.
+                "+model.override_config.attn_implementation": "sdpa",
+                "model.use_remove_padding": False,
+            }
+        )
     return [f"{key}={hydra_value(value)}" for key, value in o.items()]
 
 

@@ -43,7 +43,12 @@ def export_final(
     """Export the last checkpoint's weights; None (and an event) when there is nothing to
     merge (no checkpoint with model shards, or no verl interpreter)."""
     steps = saved_steps(checkpoint_dir)
-    actor = checkpoint_dir / f"global_step_{steps[-1]}" / "actor" if steps else None
+    actor = None
+    if steps:
+        # PPO saves the actor in a subdirectory; the SFT trainer saves its one model in place.
+        actor = checkpoint_dir / f"global_step_{steps[-1]}"
+        if (actor / "actor").is_dir():
+            actor = actor / "actor"
     if actor is None or not _shards(actor) or python is None:
         ctx.event("verl left no model shards to export", {"checkpoint_dir": str(checkpoint_dir)})
         return None

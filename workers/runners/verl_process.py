@@ -51,7 +51,8 @@ JOB_MARKER = "OT_VERL_JOB"
 LEFTOVERS_FILE = "leftovers.json"
 _PR_SET_PDEATHSIG = 1
 
-_METRIC_LINE = re.compile(r"(?:^|[\s)])step:(\d+) - (.*)$")
+# After a space, Ray's ")" prefix, or the "]" a tqdm bar of the SFT trainer ends with.
+_METRIC_LINE = re.compile(r"(?:^|[\s)\]])step:(\d+) - (.*)$")
 # verl prints values with pprint: numpy scalars show as "np.float64(0.5)".
 _WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -59,6 +60,10 @@ _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 ALIASES = {
     "critic/score/mean": "reward/mean",
     "actor/pg_loss": "loss",
+    # verl's SFT trainer
+    "train/loss": "loss",
+    "train/grad_norm": "grad_norm",
+    "val/loss": "eval/loss",
     "actor/kl_loss": "kl",
     "actor/entropy": "entropy",
     "perf/throughput": "tokens_per_s",
@@ -122,6 +127,22 @@ def entry_command() -> list[str]:
     if configured:
         return shlex.split(configured)
     return [str(venv_python() or sys.executable), "-m", "verl.trainer.main_ppo"]
+
+
+def sft_entry_command(n_procs: int) -> list[str]:
+    """verl's SFT trainer is SPMD under torchrun, not a Ray driver: one process per GPU (or
+    CPU slot), a rendezvous on a free local port so that jobs side by side do not collide."""
+    python = tool_python() or sys.executable
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc_per_node={n_procs}",
+        "-m",
+        "verl.trainer.sft_trainer",
+    ]
 
 
 def tool_python() -> str | None:
