@@ -1,4 +1,4 @@
-"""The control plane, as ``jobs`` sees it: three callables that the ``workers`` app provides.
+"""The control plane, as ``jobs`` sees it: callables that the ``workers`` app provides.
 
 ``jobs`` sits below ``workers`` in the layers (workers call ``jobs.services``), so it never
 imports it; ``workers.apps`` hands its functions in here when Django starts. Without the
@@ -23,6 +23,8 @@ class ControlPlane:
     """Stop a STARTING or RUNNING job: cancel flag, task revocation, lease release."""
     max_block_size: Callable[[], int]
     """GPUs on the largest node ever announced; 0 while no worker has announced."""
+    node_sizes: Callable[[], list[int]] | None = None
+    """GPUs of each node ever announced (empty while none has): for gangs."""
 
 
 _control_plane: ControlPlane | None = None
@@ -33,10 +35,14 @@ def set_control_plane(
     dispatch: Callable[[], object],
     cancel_running: Callable[[str], None],
     max_block_size: Callable[[], int],
+    node_sizes: Callable[[], list[int]] | None = None,
 ) -> None:
     global _control_plane
     _control_plane = ControlPlane(
-        dispatch=dispatch, cancel_running=cancel_running, max_block_size=max_block_size
+        dispatch=dispatch,
+        cancel_running=cancel_running,
+        max_block_size=max_block_size,
+        node_sizes=node_sizes,
     )
 
 

@@ -43,12 +43,18 @@ class QuotaExceeded(Exception):
 
 
 class GpuRequestTooLarge(Exception):
-    """The job asks for more GPUs than the largest node has: it could never be placed."""
+    """The job asks for more GPUs than the largest node has (or, a gang, than enough nodes
+    have): it could never be placed. ``field`` names the spec field to blame."""
 
-    def __init__(self, requested: int, largest: int) -> None:
+    def __init__(
+        self, requested: int, largest: int, *, reason: str = "", field: str = "gpus"
+    ) -> None:
         self.requested = requested
         self.largest = largest
-        super().__init__(f"the job asks for {requested} GPUs but the largest node has {largest}")
+        self.field = field
+        super().__init__(
+            reason or f"the job asks for {requested} GPUs but the largest node has {largest}"
+        )
 
 
 def month_start(now: datetime | None = None) -> datetime:

@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from accounts.models import Quota, Team
 
-from . import hooks
+from . import hooks, placement
 from .metric_services import (
     check_metrics,
     discard_metrics_after,
@@ -114,6 +114,20 @@ def _cancel_running(job_id: str) -> None:
     except Exception:
         # cancel_requested is committed; the runner sees it through the job row as well.
         logger.exception("cancel_running(%s) failed", job_id)
+
+
+def announced_node_sizes() -> list[int] | None:
+    """GPUs of each node announced by workers, or None while unknown (as for
+    ``largest_node_gpus``)."""
+    plane = hooks.control_plane()
+    if plane is None or plane.node_sizes is None:
+        return None
+    try:
+        sizes = plane.node_sizes()
+    except Exception:
+        logger.warning("the nodes are unknown (control plane unreachable)", exc_info=True)
+        return None
+    return list(sizes) or None
 
 
 def largest_node_gpus() -> int | None:
@@ -201,9 +215,19 @@ def submit_job(
     if len(name) > 200:
         raise SpecError([{"field": "name", "reason": "at most 200 characters"}])
 
-    largest = largest_node_gpus()
-    if largest is not None and parsed.gpus > largest:
-        raise GpuRequestTooLarge(parsed.gpus, largest)
+    if parsed.gpus_per_node is None or parsed.gpus_per_node >= parsed.gpus:
+        largest = largest_node_gpus()
+        if largest is not None and parsed.gpus > largest:
+            raise GpuRequestTooLarge(parsed.gpus, largest)
+    else:
+        sizes = announced_node_sizes()
+        if sizes is not None and not placement.fits(sizes, parsed.gpus, parsed.gpus_per_node):
+            raise GpuRequestTooLarge(
+                parsed.gpus,
+                max(sizes),
+                reason=placement.too_large_reason(sizes, parsed.gpus, parsed.gpus_per_node),
+                field="gpus_per_node",
+            )
 
     with transaction.atomic():
         # The row lock serialises submissions of one team, so the counts below cannot be

@@ -276,7 +276,21 @@ class JobSpecV1(BaseModel):
             "env reads a dataset; stored as 'dataset:<id>' once the job is accepted."
         ),
     )
-    gpus: int = Field(1, ge=1, le=64, description="GPUs in the job's block (one node).")
+    gpus: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="GPUs of the job: one node's block, or with `gpus_per_node` a gang.",
+    )
+    gpus_per_node: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=(
+            "GPUs on each node of a job across nodes (a gang of ceil(gpus / gpus_per_node) "
+            "nodes, all held or none); null = every GPU on one node."
+        ),
+    )
     priority: int = Field(50, ge=0, le=100, description="Higher runs first.")
     max_runtime_s: int = Field(
         3600, ge=1, le=MAX_RUNTIME_S, description="Wall-clock limit of one attempt, seconds."
@@ -373,6 +387,10 @@ class JobSpecV1(BaseModel):
             for name in EVAL_REFUSED_FIELDS:
                 if _changed(self, name):
                     errors.append((name, "an eval job trains nothing: not valid with `eval`"))
+        if self.gpus_per_node is not None:
+            errors.extend(_gang_errors(self))
+        elif self.gpus > 64:
+            errors.append(("gpus", "a node holds at most 64: give `gpus_per_node` to span nodes"))
         if self.full_finetune and _changed(self, "lora"):
             errors.append(("lora", "give either `lora` or `full_finetune: true`, not both"))
         if self.method in ("rl", "sft") and self.env is not None:
@@ -384,6 +402,25 @@ class JobSpecV1(BaseModel):
         if errors:
             raise _FieldErrors(errors)
         return self
+
+
+def _gang_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
+    per = spec.gpus_per_node
+    assert per is not None
+    if per > spec.gpus:
+        return [("gpus_per_node", f"more than the job's {spec.gpus} GPUs")]
+    if per == spec.gpus or spec.method == "smoke":
+        # A smoke job touches no device: across nodes it exercises the gang's lease alone.
+        return []
+    if spec.gpus % per:
+        return [("gpus_per_node", f"must divide gpus ({spec.gpus}): every rank the same size")]
+    return [
+        (
+            "gpus_per_node",
+            "training across nodes is not launched yet (the lock table allocates gangs; the "
+            "leader/follower launch is not built): give gpus_per_node = gpus",
+        )
+    ]
 
 
 def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:

@@ -95,7 +95,7 @@ class JobViewSet(
         except SpecError as exc:
             return spec_error_response(exc.errors)
         except services.GpuRequestTooLarge as exc:
-            return spec_error_response([{"field": "gpus", "reason": str(exc)}])
+            return spec_error_response([{"field": exc.field, "reason": str(exc)}])
         except services.QuotaExceeded as exc:
             return Response(
                 {

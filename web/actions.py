@@ -27,7 +27,7 @@ def submit(
     except SpecError as exc:
         return None, exc.errors
     except services.GpuRequestTooLarge as exc:
-        return None, [{"field": "gpus", "reason": str(exc)}]
+        return None, [{"field": exc.field, "reason": str(exc)}]
     except services.QuotaExceeded as exc:
         return None, [{"field": "", "reason": str(exc)}]
     return job, []

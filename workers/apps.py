@@ -18,5 +18,6 @@ class WorkersConfig(AppConfig):
             dispatch=dispatcher.request_dispatch,
             cancel_running=control.cancel_running,
             max_block_size=inventory.max_block_size,
+            node_sizes=inventory.node_sizes,
         )
         signals.connect()

@@ -6,12 +6,15 @@ the reaper. One pass, under a Redis lock so two dispatchers never admit the same
 1. Order the queued jobs by *effective priority*, then age (oldest first). Effective priority
    is the job's priority plus one point per ``OPENTINKER_AGING_SECONDS`` spent waiting, so a
    low-priority job does not wait forever behind a stream of high-priority ones.
-2. Walk that order and try to allocate each job's block (all-or-nothing, one node).
+2. Walk that order and try to allocate each job's block (all-or-nothing: one node, or for a
+   job with ``gpus_per_node`` a gang of nodes under one lease).
 3. A job that does not fit is skipped and smaller jobs behind it may *backfill* free GPUs,
    but only while it has waited less than ``OPENTINKER_BACKFILL_WINDOW_SECONDS``. Once it has
    waited longer it holds a *reservation*: the pass stops at it, nothing behind it is
-   admitted, and GPUs drain until it fits. A job larger than every live node gets no
-   reservation (it could block the queue for good while its node is down).
+   admitted, and GPUs drain until it fits; a gang reserves the same way, so a stream of small
+   jobs cannot starve it. A job the live nodes could not hold even when idle (larger than
+   every live node; a gang wanting more live nodes of its size than there are) gets no
+   reservation (it could block the queue for good while its nodes are down).
 
 An admitted job goes QUEUED -> STARTING (``jobs.services.mark_starting``, with the Celery task
 id saved for revocation) and ``workers.tasks.run_job`` is sent to ``gpu.<node>``.
@@ -29,7 +32,7 @@ from celery import current_app
 from django.utils import timezone
 from redis.exceptions import LockError
 
-from jobs import services
+from jobs import placement, services
 from jobs.models import Job, JobState
 from workers import audit, conf
 from workers.celeryconf import RUN_JOB_TASK, node_queue
@@ -62,6 +65,11 @@ class Candidate:
     created: datetime
     attempt: int
     spec: dict[str, Any]
+
+    @property
+    def gpus_per_node(self) -> int | None:
+        per = self.spec.get("gpus_per_node")
+        return int(per) if isinstance(per, int) and not isinstance(per, bool) else None
 
     def effective_priority(self, now: datetime, aging_seconds: int) -> float:
         waited = max(0.0, (now - self.created).total_seconds())
@@ -137,7 +145,7 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
             max_attempts=conf.max_attempts(),
         )
         return False
-    log.info("job %s -> %s GPUs %s (task %s)", cand.job_id, lease.node, list(lease.gpus), task_id)
+    log.info("job %s -> %s (task %s)", cand.job_id, " ".join(lease.gpu_ids), task_id)
     return True
 
 
@@ -149,16 +157,17 @@ def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None
     alive_sizes = [len(i["gpus"]) for i in nodes.values() if i["alive"]]
     if not alive_sizes:
         return []  # nothing could be placed: skip the queue scan (every submit lands here)
-    largest_alive = max(alive_sizes)
     candidates = queued_candidates()
     if not candidates:
         return []
     aging, window, ttl = conf.aging_seconds(), conf.backfill_window_seconds(), conf.lease_seconds()
     admitted: list[str] = []
     for cand in admission_order(candidates, now, aging):
-        lease = table.allocate(cand.job_id, cand.gpus, ttl)
+        per_node = cand.gpus_per_node
+        lease = table.allocate(cand.job_id, cand.gpus, ttl, per_node=per_node)
         if lease is None:
-            if cand.gpus <= largest_alive and cand.waited(now) >= window:
+            holdable = placement.fits(alive_sizes, cand.gpus, per_node)
+            if holdable and cand.waited(now) >= window:
                 log.info("job %s (%d GPUs) reserves the pool: no backfill", cand.job_id, cand.gpus)
                 break
             continue

@@ -29,6 +29,7 @@ __all__ = [
     "Inventory",
     "detect_inventory",
     "max_block_size",
+    "node_sizes",
     "start_announcer",
     "stop_announcer",
 ]
@@ -155,6 +156,11 @@ def max_block_size() -> int:
     """
     nodes = lock_table().nodes()
     return max((len(info["gpus"]) for info in nodes.values()), default=0)
+
+
+def node_sizes() -> list[int]:
+    """GPUs of every node ever announced (dead ones too: they may come back)."""
+    return [len(info["gpus"]) for info in lock_table().nodes().values()]
 
 
 def announce(inventory: Inventory | None = None) -> Inventory:

@@ -9,13 +9,17 @@ Layout (every key under one prefix, ``ot:gpu:`` by default):
 - ``alive:<node>``         STRING with a TTL, refreshed by the node's worker; a node without it
                            gets no new allocations (its inventory stays known for sizing)
 - ``held:<node>``          HASH gpu index -> job id
-- ``lease:<job>``          HASH ``node``, ``gpus`` (JSON), ``token``, ``expires_ms``
+- ``lease:<job>``          HASH ``node``, ``gpus`` (JSON), ``token``, ``expires_ms``, and for a
+                           gang ``members`` (JSON list of ``[node, [gpus]]``, the leader first;
+                           ``node``/``gpus`` are the leader's)
 - ``leases``               ZSET job id scored by lease expiry (ms, Redis server clock)
 
 Each mutation is one Lua script, so allocation is all-or-nothing and two allocators can never
-take the same GPU. Expiry uses the Redis server's clock (``TIME``) only, so workers with
-skewed clocks agree. The scripts build key names from the prefix, which ties the table to a
-single Redis (not a cluster); a control plane of one Redis is the design.
+take the same GPU. A *gang* (a job across nodes: ``allocate(..., per_node=M)``) takes all its
+GPUs on ``ceil(N/M)`` distinct live nodes in one script or none, under one lease that renews,
+expires and is released as a whole. Expiry uses the Redis server's clock (``TIME``) only, so
+workers with skewed clocks agree. The scripts build key names from the prefix, which ties the
+table to a single Redis (not a cluster); a control plane of one Redis is the design.
 """
 
 from __future__ import annotations
@@ -29,17 +33,20 @@ __all__ = ["DEFAULT_PREFIX", "GpuLockTable", "Lease"]
 
 DEFAULT_PREFIX = "ot:gpu:"
 
-# Chooses GPUs for one job on one node. Node preference, in order: the block fits inside one
-# topology group; the node has the fewest free GPUs that still fit (best fit keeps large free
-# nodes for large jobs); then the name, for determinism. Inside a node: the smallest group
-# that fits, else the groups with the most free GPUs first (span as few groups as possible).
+# Chooses GPUs for one job: N GPUs on ceil(N/M) distinct nodes, M on each but the last (which
+# takes the rest); M = N is one node. Members are chosen one after the other, each on the best
+# node left. Node preference, in order: the member's block fits inside one topology group; the
+# node has the fewest free GPUs that still fit (best fit keeps large free nodes for large
+# jobs); then the name, for determinism. Inside a node: the smallest group that fits, else the
+# groups with the most free GPUs first (span as few groups as possible).
 _ALLOCATE = r"""
-local P, job, n, ttl, token = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local P, job, total, per, ttl, token = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]),
+                                       tonumber(ARGV[5]), ARGV[6]
 if redis.call('EXISTS', P .. 'lease:' .. job) == 1 then return {-1} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local function pick(free_set, gpus, groups)
+local function pick(free_set, gpus, groups, n)
   -- Returns chosen GPU list and whether it lies inside one group.
   local grouped, buckets = {}, {}
   for _, grp in ipairs(groups) do
@@ -78,7 +85,7 @@ end
 
 local nodes = redis.call('SMEMBERS', P .. 'nodes')
 table.sort(nodes)
-local best_node, best_chosen, best_key = nil, nil, nil
+local infos = {}
 for _, node in ipairs(nodes) do
   if redis.call('EXISTS', P .. 'alive:' .. node) == 1 then
     local inv = redis.call('HMGET', P .. 'node:' .. node, 'gpus', 'groups', 'max_jobs')
@@ -98,30 +105,51 @@ for _, node in ipairs(nodes) do
       end
       -- A node runs at most max_jobs jobs at once (its worker's pool size).
       local room = (not inv[3]) or njobs < tonumber(inv[3])
-      if nfree >= n and room then
-        local chosen, in_group, group_free = pick(free_set, gpus, groups)
-        local key = {in_group and 0 or 1, nfree, group_free}
-        local better = best_key == nil
-        if not better then
-          for i = 1, 3 do
-            if key[i] ~= best_key[i] then better = key[i] < best_key[i]; break end
-          end
-        end
-        if better then best_node, best_chosen, best_key = node, chosen, key end
+      if room then
+        infos[#infos + 1] = {name = node, gpus = gpus, groups = groups, free = free_set,
+                             nfree = nfree}
       end
     end
   end
 end
-if best_node == nil then return {0} end
-for _, g in ipairs(best_chosen) do
-  redis.call('HSET', P .. 'held:' .. best_node, tostring(g), job)
+
+local k = math.ceil(total / per)
+local members, used = {}, {}
+for m = 1, k do
+  local need = per
+  if m == k then need = total - (k - 1) * per end
+  local best_i, best_chosen, best_key = nil, nil, nil
+  for i, info in ipairs(infos) do
+    if not used[i] and info.nfree >= need then
+      local chosen, in_group, group_free = pick(info.free, info.gpus, info.groups, need)
+      local key = {in_group and 0 or 1, info.nfree, group_free}
+      local better = best_key == nil
+      if not better then
+        for j = 1, 3 do
+          if key[j] ~= best_key[j] then better = key[j] < best_key[j]; break end
+        end
+      end
+      if better then best_i, best_chosen, best_key = i, chosen, key end
+    end
+  end
+  if best_i == nil then return {0} end
+  used[best_i] = true
+  members[m] = {infos[best_i].name, best_chosen}
+end
+
+for _, member in ipairs(members) do
+  for _, g in ipairs(member[2]) do
+    redis.call('HSET', P .. 'held:' .. member[1], tostring(g), job)
+  end
 end
 local expires = now + ttl
-local gpus_json = cjson.encode(best_chosen)
-redis.call('HSET', P .. 'lease:' .. job, 'node', best_node, 'gpus', gpus_json,
-           'token', token, 'expires_ms', tostring(expires))
+local members_json = cjson.encode(members)
+redis.call('HSET', P .. 'lease:' .. job, 'node', members[1][1],
+           'gpus', cjson.encode(members[1][2]), 'token', token,
+           'expires_ms', tostring(expires))
+if k > 1 then redis.call('HSET', P .. 'lease:' .. job, 'members', members_json) end
 redis.call('ZADD', P .. 'leases', expires, job)
-return {1, best_node, gpus_json, tostring(expires)}
+return {1, members_json, tostring(expires)}
 """
 
 # With start = '1' the holder also marks the lease as started: from then on a cancel can no
@@ -143,7 +171,7 @@ return expires
 _RELEASE = r"""
 local P, job, token, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local lease = redis.call('HMGET', P .. 'lease:' .. job, 'token', 'node', 'gpus', 'expires_ms',
-                         'started')
+                         'started', 'members')
 if not lease[1] then return 0 end
 if (mode == 'token' or mode == 'expired') and lease[1] ~= token then return 0 end
 if mode == 'unstarted' and lease[5] == '1' then return 0 end
@@ -152,9 +180,13 @@ if mode == 'expired' then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   if tonumber(lease[4]) > now then return 0 end
 end
-for _, g in ipairs(cjson.decode(lease[3])) do
-  local key = P .. 'held:' .. lease[2]
-  if redis.call('HGET', key, tostring(g)) == job then redis.call('HDEL', key, tostring(g)) end
+local members = {{lease[2], cjson.decode(lease[3])}}
+if lease[6] then members = cjson.decode(lease[6]) end
+for _, member in ipairs(members) do
+  local key = P .. 'held:' .. member[1]
+  for _, g in ipairs(member[2]) do
+    if redis.call('HGET', key, tostring(g)) == job then redis.call('HDEL', key, tostring(g)) end
+  end
 end
 redis.call('DEL', P .. 'lease:' .. job)
 redis.call('ZREM', P .. 'leases', job)
@@ -164,7 +196,8 @@ return 1
 
 @dataclass(frozen=True)
 class Lease:
-    """A job's hold on a block of GPUs of one node. ``token`` proves ownership."""
+    """A job's hold on a block of GPUs of one node, or of several (a gang). ``token`` proves
+    ownership."""
 
     job_id: str
     node: str
@@ -172,15 +205,31 @@ class Lease:
     token: str
     expires_at: float = 0.0  # seconds since the epoch, Redis server clock
     started: bool = False
+    members: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """A gang's ``(node, gpus)`` per node, the leader (``node``, ``gpus``) first; empty for
+    a job on one node."""
+
+    @property
+    def blocks(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``(node, gpus)`` of every node the lease holds GPUs on, the leader first."""
+        return self.members or ((self.node, self.gpus),)
+
+    @property
+    def is_gang(self) -> bool:
+        return len(self.blocks) > 1
 
     @property
     def gpu_ids(self) -> list[str]:
-        """The ``"node:index"`` names the job records store."""
-        return [f"{self.node}:{g}" for g in self.gpus]
+        """The ``"node:index"`` names the job records store (every member's)."""
+        return [f"{node}:{g}" for node, gpus in self.blocks for g in gpus]
 
 
 def _decode(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _members(raw: list[Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((str(node), tuple(int(g) for g in gpus)) for node, gpus in raw)
 
 
 def _validate_inventory(
@@ -294,26 +343,38 @@ class GpuLockTable:
 
     # --- leases ---------------------------------------------------------------------------
 
-    def allocate(self, job_id: str, n: int, ttl: float) -> Lease | None:
-        """Take ``n`` GPUs on one live node for ``job_id``, or nothing.
+    def allocate(
+        self, job_id: str, n: int, ttl: float, *, per_node: int | None = None
+    ) -> Lease | None:
+        """Take ``n`` GPUs for ``job_id``, or nothing: on one live node, or with ``per_node``
+        (a gang) ``per_node`` on each of ``ceil(n / per_node)`` distinct live nodes, the last
+        taking the rest.
 
-        None when no live node has ``n`` free GPUs right now, or when the job already holds a
-        lease (one lease per job: a requeued job gets a new one only after the old is gone).
+        None when no set of live nodes has them free right now, or when the job already
+        holds a lease (one lease per job: a requeued job gets a new one only after the old
+        is gone).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"number of GPUs must be a positive integer, got {n!r}")
+        per = n if per_node is None else per_node
+        if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+            raise ValueError(f"GPUs per node must be a positive integer, got {per_node!r}")
         if ttl <= 0:
             raise ValueError(f"lease TTL must be positive, got {ttl!r}")
         token = secrets.token_hex(16)
-        result = self._allocate(keys=[], args=[self.prefix, str(job_id), n, int(ttl * 1000), token])
+        result = self._allocate(
+            keys=[], args=[self.prefix, str(job_id), n, min(per, n), int(ttl * 1000), token]
+        )
         if int(result[0]) != 1:
             return None
+        members = _members(json.loads(_decode(result[1])))
         return Lease(
             job_id=str(job_id),
-            node=_decode(result[1]),
-            gpus=tuple(int(g) for g in json.loads(_decode(result[2]))),
+            node=members[0][0],
+            gpus=members[0][1],
             token=token,
-            expires_at=int(_decode(result[3])) / 1000.0,
+            expires_at=int(_decode(result[2])) / 1000.0,
+            members=members if len(members) > 1 else (),
         )
 
     def renew(self, lease: Lease, ttl: float, *, start: bool = False) -> float | None:
@@ -376,6 +437,7 @@ class GpuLockTable:
                     "job_id": le.job_id,
                     "node": le.node,
                     "gpus": list(le.gpus),
+                    "members": [[node, list(gpus)] for node, gpus in le.blocks],
                     "expires_at": le.expires_at,
                 }
                 for le in self.leases()
@@ -407,4 +469,5 @@ class GpuLockTable:
             token=data["token"],
             expires_at=int(data["expires_ms"]) / 1000.0,
             started=data.get("started") == "1",
+            members=_members(json.loads(data["members"])) if "members" in data else (),
         )

@@ -145,3 +145,23 @@ def test_it_runs_envs_inline_unless_the_spec_names_the_env_queue():
     assert parse_spec(selfplay).rollout.env_execution == "inline"
     selfplay["rollout"]["env_execution"] = "queue"
     assert [e["field"] for e in errors_of(selfplay)] == ["rollout.env_execution"]
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        ({"method": "smoke", "gpus": 2, "gpus_per_node": 4}, "more than the job's 2 GPUs"),
+        ({"method": "rl", **MATH, "gpus": 6, "gpus_per_node": 4}, "must divide gpus"),
+        ({"method": "rl", **MATH, "gpus": 4, "gpus_per_node": 2}, "not launched yet"),
+        ({"method": "smoke", "gpus": 65}, "at most 64"),
+    ],
+)
+def test_it_checks_gpus_per_node(data: dict, reason: str) -> None:
+    errors = errors_of(data)
+    assert any(reason in e["reason"] for e in errors), errors
+    assert {e["field"] for e in errors} <= {"gpus", "gpus_per_node"}
+
+
+def test_it_accepts_a_gang_of_smoke_jobs_and_one_node_blocks_with_gpus_per_node() -> None:
+    assert parse_spec({"method": "smoke", "gpus": 6, "gpus_per_node": 4}).gpus_per_node == 4
+    assert parse_spec({"method": "rl", **MATH, "gpus": 2, "gpus_per_node": 2}).gpus == 2

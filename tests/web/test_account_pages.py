@@ -237,11 +237,19 @@ def test_it_shows_the_gpu_pool_to_staff_only(
 ) -> None:
     from workers.locktable import GpuLockTable
 
-    GpuLockTable(clean_control_plane).announce("pagenode", [0, 1], [[0, 1]], ttl=30)
+    table = GpuLockTable(clean_control_plane)
+    table.announce("pagenode", [0, 1], [[0, 1]], ttl=30)
     assert login(owner).get(reverse("web:pool")).status_code == 302
     staff = make_user("stella", is_staff=True)
     page = login(staff).get(reverse("web:pool")).content.decode()
     assert 'data-node="pagenode"' in page and "2 free" in page
+    # A gang's lease shows each member's GPUs; a lease that is no job's (a Tinker model
+    # worker's) is listed without a job.
+    table.announce("othernode", [0, 1], ttl=30)
+    assert table.allocate("tinker:tiny:ab12", 4, ttl=30, per_node=2) is not None
+    page = login(staff).get(reverse("web:pool")).content.decode()
+    assert "leads a gang of 2 nodes" in page
+    assert "othernode: 0, 1; pagenode: 0, 1" in page or "pagenode: 0, 1; othernode: 0, 1" in page
 
 
 def _totp_code(secret: str) -> str:

@@ -41,13 +41,12 @@ def queue_job(
     priority: int = 50,
     age_s: float = 0,
     expect: str = JobState.QUEUED,
+    per_node: int | None = None,
 ) -> str:
-    job = services.submit_job(
-        team=team,
-        user=user,
-        spec={"method": "smoke", "gpus": gpus, "priority": priority},
-        name=f"p{priority}-g{gpus}",
-    )
+    spec: dict[str, Any] = {"method": "smoke", "gpus": gpus, "priority": priority}
+    if per_node is not None:
+        spec["gpus_per_node"] = per_node
+    job = services.submit_job(team=team, user=user, spec=spec, name=f"p{priority}-g{gpus}")
     if age_s:
         # Test setup only: pretend the job was submitted earlier.
         Job.objects.filter(pk=job.pk).update(created=timezone.now() - timedelta(seconds=age_s))
@@ -224,3 +223,80 @@ def test_it_admits_each_job_once_when_dispatchers_race(
     starting = set(Job.objects.filter(state=JobState.STARTING).values_list("id", flat=True))
     assert {str(j) for j in starting} == set(admitted) and set(admitted) <= set(jobs)
     assert len(table.snapshot()["leases"]) == 4
+
+
+def test_a_gang_is_admitted_across_nodes_and_recorded_with_every_gpu(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any
+) -> None:
+    for name in ("a", "b", "c"):
+        offline_node(name, 2)
+    gang = queue_job(team, owner, gpus=4, per_node=2)
+    for name in ("a", "b", "c"):
+        table.refresh(name, ttl=60)
+    assert dispatch_once(table) == [gang]
+    lease = table.lease_of(gang)
+    assert lease is not None and lease.is_gang and len(lease.blocks) == 2
+    job = Job.objects.get(pk=gang)
+    assert job.state == JobState.STARTING and sorted(job.gpus_held) == sorted(lease.gpu_ids)
+    record = GpuLeaseRecord.objects.get(job_id=gang)
+    assert len(record.gpus) == 4 and record.node == lease.node
+
+
+def test_a_gang_reserves_the_pool_once_it_waited_past_the_window(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, settings: Any
+) -> None:
+    """Small jobs backfill around a waiting gang only inside the window: after it, the gang
+    holds a reservation and the GPUs its members need drain to it."""
+    settings.OPENTINKER_BACKFILL_WINDOW_SECONDS = 300
+    offline_node("a", 2)
+    offline_node("b", 2)
+    table.refresh("a", ttl=60)
+    table.refresh("b", ttl=60)
+    blocker = table.allocate("someone-else", 1, ttl=60)
+    assert blocker is not None
+    table.withdraw("a")
+    table.withdraw("b")
+    young = queue_job(team, owner, gpus=4, per_node=2, priority=90)
+    small = queue_job(team, owner, gpus=1, priority=10)
+    table.refresh("a", ttl=60)
+    table.refresh("b", ttl=60)
+    # Inside the window the small job backfills next to the gang.
+    assert dispatch_once(table) == [small]
+    Job.objects.filter(pk=young).update(created=timezone.now() - timedelta(seconds=301))
+    later = queue_job(team, owner, gpus=1, priority=10)
+    assert dispatch_once(table) == []
+    assert Job.objects.get(pk=later).state == JobState.QUEUED
+    # The GPUs drain: the gang starts, then the small job behind it.
+    assert table.release(blocker)
+    small_lease = table.lease_of(small)
+    assert small_lease is not None and table.release(small_lease)
+    assert dispatch_once(table) == [young]
+    assert Job.objects.get(pk=later).state == JobState.QUEUED
+
+
+def test_a_gang_the_live_nodes_could_never_hold_reserves_nothing(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any, settings: Any
+) -> None:
+    settings.OPENTINKER_BACKFILL_WINDOW_SECONDS = 0
+    for name in ("a", "b", "c"):
+        offline_node(name, 2)
+    gang = queue_job(team, owner, gpus=6, per_node=2, age_s=1000)
+    small = queue_job(team, owner, gpus=1, priority=10)
+    table.refresh("a", ttl=60)
+    table.refresh("b", ttl=60)  # c stays down: two live nodes of two, the gang wants three
+    assert dispatch_once(table) == [small]
+    assert Job.objects.get(pk=gang).state == JobState.QUEUED
+
+
+def test_it_refuses_at_submit_a_gang_no_set_of_nodes_could_hold(
+    table: GpuLockTable, team: Any, owner: Any
+) -> None:
+    table.announce("a", [0, 1], ttl=60)
+    table.announce("b", [0, 1, 2, 3], ttl=60)
+    spec = {"method": "smoke", "gpus": 6, "gpus_per_node": 2}
+    with pytest.raises(services.GpuRequestTooLarge, match="on 3 nodes, but 2 of the 2") as bad:
+        services.submit_job(team=team, user=owner, spec=spec, name="gang")
+    assert bad.value.field == "gpus_per_node"
+    # Two nodes of two or more GPUs hold 4 as 2 + 2.
+    job = services.submit_job(team=team, user=owner, spec={**spec, "gpus": 4}, name="gang")
+    assert job.state == JobState.QUEUED

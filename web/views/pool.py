@@ -3,6 +3,7 @@ authority), live leases, and the queue in admission order."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from django.contrib.admin.views.decorators import staff_member_required
@@ -17,6 +18,14 @@ from workers.dispatcher import admission_order, queued_candidates
 from workers.inventory import lock_table
 
 
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
 @staff_member_required
 def pool(request: HttpRequest) -> HttpResponse:
     error = ""
@@ -26,7 +35,8 @@ def pool(request: HttpRequest) -> HttpResponse:
     except (RedisError, OSError) as exc:  # Redis down: the page says so instead of a 500
         snap = {"nodes": {}, "leases": []}
         error = f"lock table unavailable: {exc}"
-    lease_jobs = {le["job_id"] for le in snap["leases"]}
+    # Not every lease is a job's: a Tinker model worker holds "tinker:<base>:<id>".
+    lease_jobs = {le["job_id"] for le in snap["leases"] if _is_uuid(le["job_id"])}
     jobs = {str(j.pk): j for j in Job.objects.filter(pk__in=lease_jobs).select_related("team")}
     for name, info in sorted(snap["nodes"].items()):
         gpus = []
@@ -52,7 +62,13 @@ def pool(request: HttpRequest) -> HttpResponse:
     }
     for q in queue:
         q["job"] = queued.get(q["cand"].job_id)
-    leases = [{**le, "job": jobs.get(le["job_id"])} for le in snap["leases"]]
+    leases = []
+    for le in snap["leases"]:
+        members = le.get("members") or [[le["node"], le["gpus"]]]
+        placed = "; ".join(f"{node}: {', '.join(map(str, gpus))}" for node, gpus in members)
+        leases.append(
+            {**le, "job": jobs.get(le["job_id"]), "gang": len(members) > 1, "placed": placed}
+        )
     return render(
         request, "web/pool.html", {"nodes": nodes, "leases": leases, "queue": queue, "error": error}
     )
