@@ -13,12 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ConfigDict, TypeAdapter, with_config
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
 from environments.envs.bandit import BanditConfig, BanditGroupBuilder
 from environments.envs.gomoku import GomokuConfig, GomokuGroupBuilder, GomokuSelfPlayGroupBuilder
 from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
 from environments.envs.math_env import MathConfig, MathGroupBuilder
+from environments.envs.reasoning_gym_env import ReasoningGymConfig, generator_names, make_builder
+from environments.envs.textarena_env import (
+    TextArenaConfig,
+    TextArenaGroupBuilder,
+    TextArenaSelfPlayGroupBuilder,
+    game_names,
+)
 from environments.schema import Column, DatasetSchema
 from environments.types import DataSource, GroupBuilder, Interaction
 
@@ -48,6 +55,8 @@ class EnvSpec:
     factory: GroupFactory
     """factory(config, *, row, seed, group_size) -> GroupBuilder (row is None for generators)."""
     schema: DatasetSchema | None = None
+    choices: Callable[[], dict[str, list[str]]] | None = None
+    """The values a setting may take when only the environment's library knows them."""
 
     @property
     def cell(self) -> tuple[str, str]:
@@ -62,6 +71,7 @@ class EnvSpec:
             "description": self.description,
             "dataset_columns": self.schema.describe() if self.schema else None,
             "config_schema": TypeAdapter(self.config_cls).json_schema(mode="serialization"),
+            "choices": self.choices() if self.choices else {},
         }
 
 
@@ -112,6 +122,14 @@ def check_contract(env_name: str, dataset: Any = None) -> None:
         raise ContractError("dataset", f"env {env_name!r} reads a dataset: give `dataset`")
 
 
+def pairs_episodes(env_name: str, config: dict[str, Any] | None = None) -> bool:
+    """Self-play: a group's episodes play against each other (in one process, in pairs), so a
+    group is even, inline, and evaluated two at a time."""
+    if env_name == "gomoku_selfplay":
+        return True
+    return env_name == "textarena" and (config or {}).get("opponent") == "selfplay"
+
+
 def make_config(env_name: str, config: dict[str, Any] | None = None) -> Any:
     """Build the env's config dataclass from JSON, naming any unknown or bad key."""
     spec = get_env(env_name)
@@ -125,6 +143,12 @@ def make_config(env_name: str, config: dict[str, Any] | None = None) -> Any:
         )
     try:
         return spec.config_cls(**config)
+    except ValidationError as exc:
+        # Pydantic configs say which setting is wrong: name it, as for an unknown key.
+        first = exc.errors()[0]
+        path = ".".join(str(part) for part in first["loc"])
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        raise ContractError(f"env_config.{path}" if path else "env_config", reason) from exc
     except (TypeError, ValueError) as exc:
         raise ContractError("env_config", str(exc)) from exc
 
@@ -185,6 +209,8 @@ def build_group(group_spec: dict[str, Any]) -> GroupBuilder:
     config = make_config(env_name, group_spec.get("config"))
     try:
         return spec.factory(config, row=row, seed=seed, group_size=group_size)
+    except ContractError:
+        raise
     except ValueError as exc:
         raise ContractError("group_size", str(exc)) from exc
 
@@ -240,6 +266,22 @@ def _register_builtins() -> None:
     ) -> GroupBuilder:
         return GomokuSelfPlayGroupBuilder(config, seed, group_size)
 
+    def reasoning_gym_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        try:
+            return make_builder(config, seed, group_size)
+        except Exception as exc:
+            # Options the generator's config accepted and its dataset then refused.
+            raise ContractError(
+                "env_config.options",
+                f"reasoning-gym could not generate from {config.dataset!r}: "
+                f"{type(exc).__name__}: {exc}",
+            ) from exc
+
+    def textarena_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        if config.opponent == "selfplay":
+            return TextArenaSelfPlayGroupBuilder(config, seed, group_size)
+        return TextArenaGroupBuilder(config, seed, group_size)
+
     register(
         EnvSpec(
             "math",
@@ -290,6 +332,29 @@ def _register_builtins() -> None:
             "Gomoku where two episodes of the group play each other.",
             GomokuConfig,
             gomoku_selfplay_factory,
+        )
+    )
+    register(
+        EnvSpec(
+            "reasoning_gym",
+            DataSource.GENERATOR,
+            Interaction.SINGLE_TURN,
+            "A procedural reasoning task from reasoning-gym, graded by its own scorer.",
+            ReasoningGymConfig,
+            reasoning_gym_factory,
+            choices=lambda: {"dataset": generator_names()},
+        )
+    )
+    register(
+        EnvSpec(
+            "textarena",
+            DataSource.GENERATOR,
+            Interaction.MULTI_TURN,
+            "A TextArena game: one-player puzzles, or two-player games against a random "
+            "legal-move opponent or in self-play.",
+            TextArenaConfig,
+            textarena_factory,
+            choices=lambda: {"game": game_names()},
         )
     )
 

@@ -38,6 +38,11 @@ class EnvironmentSerializer(serializers.Serializer):
     config_schema = serializers.JSONField(
         help_text="JSON Schema of `env_config`: every setting with its type, default and meaning."
     )
+    choices = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()),
+        help_text="Allowed values of settings that the environment's library defines, e.g. "
+        "the reasoning-gym generators for `dataset` (empty when none).",
+    )
 
 
 class EnvironmentViewSet(viewsets.ViewSet):

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from environments.registry import ContractError, get_env, make_config
+from environments.registry import ContractError, get_env, make_config, pairs_episodes
 from environments.types import DataSource, Interaction
 
 CURRENT_VERSION = 1
@@ -454,9 +454,9 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
             errors.append(("rollout.max_turns", f"env {env.name!r} is single turn"))
         if spec.algorithm.advantage == "rloo" and spec.rollout.group_size < 2:
             errors.append(("rollout.group_size", "'rloo' needs at least 2 samples per group"))
-        if spec.env == "gomoku_selfplay" and spec.rollout.group_size % 2:
+        if pairs_episodes(env.name, spec.env_config) and spec.rollout.group_size % 2:
             errors.append(("rollout.group_size", "self-play pairs episodes: give an even size"))
-    if spec.rollout.env_execution == "queue" and env.name == "gomoku_selfplay":
+    if spec.rollout.env_execution == "queue" and pairs_episodes(env.name, spec.env_config):
         errors.append(
             (
                 "rollout.env_execution",
@@ -473,7 +473,7 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         errors.append(("algorithm.advantage", "'baseline' has no verl estimator: grpo or rloo"))
     if spec.eval is not None:
         errors.append(("runner", "eval jobs run on the native runner"))
-    if spec.env == "gomoku_selfplay":
+    if spec.env is not None and pairs_episodes(spec.env, spec.env_config):
         errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
     if spec.rollout.env_execution != "inline":
         errors.append(

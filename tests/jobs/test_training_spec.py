@@ -165,3 +165,15 @@ def test_it_checks_gpus_per_node(data: dict, reason: str) -> None:
 def test_it_accepts_a_gang_of_smoke_jobs_and_one_node_blocks_with_gpus_per_node() -> None:
     assert parse_spec({"method": "smoke", "gpus": 6, "gpus_per_node": 4}).gpus_per_node == 4
     assert parse_spec({"method": "rl", **MATH, "gpus": 2, "gpus_per_node": 2}).gpus == 2
+
+
+def test_it_holds_textarena_self_play_to_gomoku_self_plays_rules() -> None:
+    selfplay = {"method": "rl", "env": "textarena", "env_config": {"opponent": "selfplay"}}
+    assert parse_spec({**selfplay, "rollout": {"group_size": 4}}).env == "textarena"
+    odd = errors_of({**selfplay, "rollout": {"group_size": 3}})
+    assert [e["field"] for e in odd] == ["rollout.group_size"]
+    queued = errors_of({**selfplay, "rollout": {"group_size": 2, "env_execution": "queue"}})
+    assert [e["field"] for e in queued] == ["rollout.env_execution"]
+    assert "runner" in [e["field"] for e in errors_of({**selfplay, "runner": "verl"})]
+    # Against the random opponent each episode plays alone.
+    parse_spec({"method": "rl", "env": "textarena", "rollout": {"group_size": 3}})

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from environments.registry import get_env
+from environments.registry import get_env, pairs_episodes
 from environments.renderer import Renderer
 from environments.types import DataSource
 from jobs.spec import JobSpec
@@ -60,7 +60,7 @@ def evaluate_snapshot(
             "config": dict(spec.env_config),
             "row": row,
             "seed": EVAL_SEED_OFFSET + i,
-            "group_size": 2 if env.name == "gomoku_selfplay" else 1,
+            "group_size": 2 if pairs_episodes(env.name, spec.env_config) else 1,
         }
         for i, row in enumerate(rows)
     ]

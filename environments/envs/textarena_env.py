@@ -1,0 +1,574 @@
+"""`textarena` (generator x multi turn): TextArena games (MIT, an optional dependency: the
+`envs` extra), one-player puzzles against the game, two-player games against a fixed opponent
+that plays random legal moves, or in self-play where two episodes of the group are the two seats.
+
+Only the games of `GAMES` are offered: they run on Python 3.11 with no network (several
+TextArena games need 3.12 syntax, NLTK corpora that download, or a remote LLM), and each was
+played to the end in tests/environments/test_textarena.py.
+
+Observations: TextArena's own wrappers resend the whole history every turn; here the raw
+game's per-player message queue is read instead, so each user message holds only what is new
+since the model's last action (the opponent's move, the new board, an invalid-move notice),
+without the echo of the model's own action.
+
+Reward scale, per turn (grpo_per_step sees where things went wrong):
+- a move the game refuses: `illegal_penalty` (default -0.1) on that turn; the game's own rules
+  decide what follows (TicTacToe asks again once, then forfeits; a second mistake ends most
+  games), exactly as TextArena plays them;
+- the turn that ends the game: the game's reward for the model's seat (two-player: +1 win, 0
+  draw, -1 loss; one-player games use their own scale, e.g. 1 for a solved puzzle).
+
+Pickling (the env queue parks episodes in Redis between turns): the wrapped TextArena env
+recurses forever on unpickle, so an episode keeps (game, seed, actions so far) and rebuilds the
+game by replaying the actions. Replay happens only where the live game is not at hand: each
+process keeps its live games in a cache keyed by episode, checked against the action log.
+
+Randomness: TextArena games draw from the global `random` module (dealing cards, placing
+mines) and reseed it on reset. Every call into a game runs with that game's own saved stream
+swapped in and the caller's restored afterwards, so games interleaved in one process (a group,
+self-play threads, an env worker) stay reproducible and a replay lands in the same state.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+
+Moves = Callable[[dict[str, Any]], list[str]]
+
+
+@dataclass(frozen=True)
+class GameInfo:
+    players: int
+    moves: Moves | None = None
+    """Candidate moves from the game state, for the random opponent (two-player games); the
+    opponent keeps the first the game accepts, in a random order."""
+
+
+def _nim_moves(state: dict[str, Any]) -> list[str]:
+    return [f"[{p} {q}]" for p, n in enumerate(state["piles"]) for q in range(1, n + 1)]
+
+
+GAMES: dict[str, GameInfo] = {
+    "TicTacToe-v0": GameInfo(2, lambda s: [f"[{i}]" for i in range(9)]),
+    "ConnectFour-v0": GameInfo(2, lambda s: [f"[col {c}]" for c in range(len(s["board"][0]))]),
+    "KuhnPoker-v0": GameInfo(2, lambda s: ["[check]", "[bet]", "[call]", "[fold]"]),
+    "Nim-v0": GameInfo(2, _nim_moves),
+    "GuessTheNumber-v0": GameInfo(1),
+    "TowerOfHanoi-v0": GameInfo(1),
+    "Minesweeper-v0": GameInfo(1),
+    "FrozenLake-v0": GameInfo(1),
+    "LightsOut-v0": GameInfo(1),
+    "Sudoku-v0": GameInfo(1),
+    "Mastermind-v0": GameInfo(1),
+}
+
+# The most opponent moves between two model turns: a game that never hands the turn back is
+# an environment bug, reported as one rather than looped on.
+MAX_OPPONENT_MOVES = 200
+# Live games kept per process; a game evicted early is rebuilt by replay, so this only bounds
+# memory (a game is a few KiB) against replay time.
+CACHE_SIZE = 1024
+
+
+def game_names() -> list[str]:
+    return sorted(GAMES)
+
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(use_attribute_docstrings=True))
+class TextArenaConfig:
+    game: str = "TicTacToe-v0"
+    """A TextArena game id from the allowlist (the list is under `choices`)."""
+    opponent: Literal["random", "selfplay"] = "random"
+    """Two-player games: "random" (a fixed opponent playing random legal moves) or "selfplay"
+    (episodes 2i and 2i+1 of a group play each other; needs an even group size, inline only).
+    One-player games have no opponent and ignore it."""
+    model_seat: int | Literal["random"] = 0
+    """Against the random opponent: the seat the model plays (0 usually moves first), or
+    "random" (drawn from the group seed)."""
+    illegal_penalty: float = -0.1
+    """Reward of a turn whose move the game refused."""
+    move_timeout_s: float = Field(default=300.0, gt=0)
+    """Self-play: how long a seat waits for the other before the game is abandoned."""
+    max_tokens: int = Field(default=64, ge=1)
+
+    @field_validator("game")
+    @classmethod
+    def _allowed_game(cls, value: str) -> str:
+        _library()
+        if value not in GAMES:
+            raise ValueError(
+                f"game {value!r} is not offered; the games that run here: {', '.join(game_names())}"
+            )
+        return value
+
+    @field_validator("opponent")
+    @classmethod
+    def _opponent_fits(cls, value: str, info: ValidationInfo) -> str:
+        game = info.data.get("game")
+        if value == "selfplay" and game is not None and GAMES[game].players != 2:
+            raise ValueError(f"{game!r} is a one-player game: there is no seat to self-play")
+        return value
+
+    @field_validator("model_seat")
+    @classmethod
+    def _seat_exists(cls, value: int | str, info: ValidationInfo) -> int | str:
+        game = info.data.get("game")
+        if isinstance(value, int) and game is not None:
+            players = GAMES[game].players
+            if not 0 <= value < players:
+                raise ValueError(f"{game!r} has seats 0 to {players - 1}, not {value}")
+        return value
+
+
+def _library() -> Any:
+    try:
+        import textarena  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise ValueError(
+            "textarena is not installed on this server (the `envs` extra of opentinker)"
+        ) from exc
+    return textarena
+
+
+def format_action(text: str) -> str:
+    """TextArena's default action wrapper: bracket an action that has no brackets."""
+    stripped = text.strip()
+    if "[" not in stripped and "]" not in stripped:
+        return f"[{stripped}]"
+    return stripped
+
+
+def _refused(state: Any, mover: int, errors_before: int) -> bool:
+    # TextArena tells of a refused move only through its state: the error count rises when
+    # the player may try again, and `invalid_move` is set when the refusal ended the game.
+    if int(getattr(state, "error_count", 0)) > errors_before:
+        return True
+    return bool(state.done and state.game_info.get(mover, {}).get("invalid_move"))
+
+
+# Guards the global `random` module while a game runs with its own stream swapped in.
+_RANDOM_LOCK = threading.RLock()
+
+
+class LiveGame:
+    """A raw (unwrapped) TextArena env, its own random stream and every action applied."""
+
+    def __init__(self, game: str, seed: int, players: int) -> None:
+        ta = _library()
+        env = ta.make(game)
+        while isinstance(env, ta.Wrapper):
+            env = env.env
+        self.env = env
+        self.actions: list[str] = []
+        self.result: tuple[dict[int, float], dict[int, Any]] | None = None
+        self._rng_state = random.Random(seed).getstate()
+        self._call(lambda: self.env.reset(num_players=players, seed=seed))
+
+    @classmethod
+    def replay(
+        cls, game: str, seed: int, players: int, actions: list[str], delivered: bool
+    ) -> LiveGame:
+        """The game after `actions`; `delivered`: the players saw every message until now."""
+        live = cls(game, seed, players)
+        for action in actions:
+            live.step(action)
+        if delivered:
+            for queue in live.env.state.observations.values():
+                queue.clear()
+        return live
+
+    def _call(self, fn: Callable[[], Any], *, keep: bool = True) -> Any:
+        """Run `fn` on this game's random stream; `keep=False` leaves the stream as it was."""
+        with _RANDOM_LOCK:
+            outer = random.getstate()
+            random.setstate(self._rng_state)
+            try:
+                return fn()
+            finally:
+                if keep:
+                    self._rng_state = random.getstate()
+                random.setstate(outer)
+
+    @property
+    def state(self) -> Any:
+        return self.env.state
+
+    def is_done(self) -> bool:
+        return bool(self.env.state.done)
+
+    @property
+    def to_move(self) -> int:
+        return int(self.env.state.current_player_id)
+
+    def step(self, action: str) -> bool:
+        """Apply the mover's action; True when the game refused it."""
+        state = self.env.state
+        mover = self.to_move
+        before = int(getattr(state, "error_count", 0))
+        self.actions.append(action)
+        self._call(lambda: self.env.step(action=action))
+        return _refused(state, mover, before)
+
+    def accepts(self, action: str) -> bool:
+        """Whether the mover's `action` is legal, tried on a copy (the game is untouched)."""
+        trial = copy.deepcopy(self.env)
+        state = trial.state
+        mover = int(state.current_player_id)
+        before = int(getattr(state, "error_count", 0))
+        self._call(lambda: trial.step(action=action), keep=False)
+        return not _refused(state, mover, before)
+
+    def take_messages(self, seat: int) -> str:
+        """What `seat` has not seen yet, as text, minus the echo of its own actions."""
+        ta = _library()
+        queue = self.env.state.observations[seat]
+        messages, queue[:] = list(queue), []
+        roles = self.env.state.role_mapping
+        lines = []
+        for sender, text, kind in messages:
+            if sender == seat and kind is ta.ObservationType.PLAYER_ACTION:
+                continue
+            name = "GAME" if sender == ta.GAME_ID else roles.get(sender, f"Player {sender}")
+            lines.append(f"[{name}] {str(text).strip()}")
+        return "\n".join(lines)
+
+    def outcome(self) -> tuple[dict[int, float], dict[int, Any]]:
+        if self.result is None:
+            rewards, info = self._call(self.env.close)
+            self.result = ({int(k): float(v) for k, v in (rewards or {}).items()}, info or {})
+        return self.result
+
+
+_CACHE: OrderedDict[str, LiveGame] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+REPLAYS = {"count": 0}
+"""How many games under way this process rebuilt by replay (a cached game is reused instead)."""
+
+
+def _remember(key: str, live: LiveGame) -> None:
+    with _CACHE_LOCK:
+        _CACHE[key] = live
+        _CACHE.move_to_end(key)
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+
+
+def _forget(key: str) -> None:
+    with _CACHE_LOCK:
+        _CACHE.pop(key, None)
+
+
+def _cached(key: str, actions: list[str]) -> LiveGame | None:
+    with _CACHE_LOCK:
+        live = _CACHE.get(key)
+    return live if live is not None and live.actions == actions else None
+
+
+def clear_cache() -> None:
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _metrics(reward: float, illegal: int, moves: int, players: int) -> dict[str, float]:
+    if players == 1:
+        return {
+            "solved": float(reward >= 1),
+            "game_reward": reward,
+            "illegal_moves": float(illegal),
+            "moves": float(moves),
+        }
+    return {
+        "win": float(reward > 0),
+        "draw": float(reward == 0),
+        "loss": float(reward < 0),
+        "illegal_moves": float(illegal),
+        "moves": float(moves),
+    }
+
+
+class TextArenaEpisode(Episode):
+    """The model against the game (one player) or against the random opponent (two)."""
+
+    def __init__(self, config: TextArenaConfig, seed: int) -> None:
+        super().__init__()
+        self.config = config
+        self.seed = seed
+        seat = config.model_seat
+        if seat == "random":
+            seat = random.Random(f"textarena-seat-{seed}").randrange(self.rules.players)
+        self.seat = int(seat)
+        self.key = uuid.uuid4().hex
+        self.actions: list[str] = []
+        self.illegal = 0
+        self._opponent_rng = random.Random(f"textarena-opponent-{seed}")
+        self._delivered = False
+        """Whether the model saw any message: a game rebuilt after that starts with none."""
+        self._live: LiveGame | None = None
+
+    @property
+    def rules(self) -> GameInfo:
+        return GAMES[self.config.game]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self._live is not None:
+            _remember(self.key, self._live)
+        state["_live"] = None
+        return state
+
+    def _game(self) -> LiveGame:
+        live = self._live
+        if live is None or live.actions != self.actions:
+            live = _cached(self.key, self.actions)
+        if live is None:
+            REPLAYS["count"] += int(self._delivered)
+            live = LiveGame.replay(
+                self.config.game, self.seed, self.rules.players, self.actions, self._delivered
+            )
+        self._live = live
+        return live
+
+    def _play(self, live: LiveGame, action: str) -> bool:
+        refused = live.step(action)
+        self.actions.append(action)
+        return refused
+
+    def _opponent_turns(self, live: LiveGame) -> None:
+        for _ in range(MAX_OPPONENT_MOVES):
+            if live.is_done() or live.to_move == self.seat:
+                return
+            self._play(live, self._opponent_move(live))
+        raise RuntimeError(f"{self.config.game}: the opponent moved {MAX_OPPONENT_MOVES} times")
+
+    def _opponent_move(self, live: LiveGame) -> str:
+        assert self.rules.moves is not None
+        candidates = self.rules.moves(live.state.game_state)
+        self._opponent_rng.shuffle(candidates)
+        for move in candidates:
+            if live.accepts(move):
+                return move
+        return candidates[0]  # nothing legal: the game's own rules end it
+
+    def _initial(self) -> tuple[list[Message], StopCondition]:
+        live = self._game()
+        self._opponent_turns(live)
+        text = live.take_messages(self.seat)
+        self._delivered = True
+        return [{"role": "user", "content": text}], StopCondition(max_tokens=self.config.max_tokens)
+
+    def _end(self, live: LiveGame, extra: float, refused: bool) -> StepResult:
+        rewards, info = live.outcome()
+        reward = rewards.get(self.seat, 0.0)
+        seat_info = info.get(self.seat, {})
+        outcome = "win" if reward > 0 else "draw" if reward == 0 else "loss"
+        if self.rules.players == 1:
+            outcome = "solved" if reward >= 1 else "unsolved"
+        return StepResult(
+            reward=reward + extra,
+            done=True,
+            error="illegal_move" if refused else None,
+            metrics=_metrics(reward, self.illegal, len(self.actions), self.rules.players),
+            info={
+                "outcome": outcome,
+                "game_reward": reward,
+                "reason": str(seat_info.get("reason", "")),
+                "seat": self.seat,
+            },
+        )
+
+    def _step(self, action: str) -> StepResult:
+        live = self._game()
+        if live.is_done():
+            return self._end(live, 0.0, False)
+        refused = self._play(live, format_action(action))
+        extra = self.config.illegal_penalty if refused else 0.0
+        self.illegal += int(refused)
+        self._opponent_turns(live)
+        if live.is_done():
+            self._forget()
+            return self._end(live, extra, refused)
+        return StepResult(
+            reward=extra,
+            done=False,
+            next_messages=[{"role": "user", "content": live.take_messages(self.seat)}],
+            error="illegal_move" if refused else None,
+            metrics={"illegal_moves": float(self.illegal)},
+        )
+
+    def _forget(self) -> None:
+        _forget(self.key)
+
+    def close(self) -> None:
+        self._forget()
+        self._live = None
+
+
+@dataclass
+class TextArenaGroupBuilder(GroupBuilder):
+    config: TextArenaConfig
+    seed: int
+    group_size: int
+    env_name: str = "textarena"
+
+    def make_episodes(self) -> list[Episode]:
+        # One seed per group: the G episodes get the same deal, so advantages compare play.
+        return [TextArenaEpisode(self.config, self.seed) for _ in range(self.group_size)]
+
+
+class GameAbandoned(RuntimeError):
+    pass
+
+
+class TextArenaCoordinator:
+    """One two-player game shared by two seat episodes; wakes the seat whose turn it is.
+
+    The turn protocol of gomoku's `GameCoordinator`: each seat's `initial_observation()` and
+    `step()` block until that seat is to move, so `rollouts.run_group` can drive the two
+    episodes from two threads (the builder is `concurrent`).
+    """
+
+    def __init__(self, config: TextArenaConfig, seed: int) -> None:
+        self.config = config
+        self.live = LiveGame(config.game, seed, 2)
+        self.abandoned: str | None = None
+        self._cond = threading.Condition()
+
+    def is_over(self) -> bool:
+        return self.live.is_done() or self.abandoned is not None
+
+    def wait_for_turn(self, seat: int) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self.is_over() or self.live.to_move == seat,
+                timeout=self.config.move_timeout_s,
+            )
+            if not ok:
+                self._abandon_locked(
+                    f"player {1 - seat} did not move within {self.config.move_timeout_s:g}s"
+                )
+
+    def play(self, seat: int, action: str) -> bool:
+        """Play `seat`'s action; True when the game refused it."""
+        with self._cond:
+            if self.is_over():
+                raise GameAbandoned(self.abandoned or "the game is over")
+            if self.live.to_move != seat:
+                raise RuntimeError(f"player {seat} moved out of turn")
+            refused = self.live.step(action)
+            self._cond.notify_all()
+            return refused
+
+    def take_messages(self, seat: int) -> str:
+        with self._cond:
+            return self.live.take_messages(seat)
+
+    def abandon(self, reason: str) -> None:
+        with self._cond:
+            self._abandon_locked(reason)
+
+    def _abandon_locked(self, reason: str) -> None:
+        if not self.live.is_done() and self.abandoned is None:
+            self.abandoned = reason
+            self._cond.notify_all()
+
+
+class TextArenaSelfPlayEpisode(Episode):
+    """One seat of a self-play game."""
+
+    def __init__(self, game: TextArenaCoordinator, seat: int) -> None:
+        super().__init__()
+        self.game = game
+        self.seat = seat
+        self.config = game.config
+        self.illegal = 0
+
+    def _initial(self) -> tuple[list[Message], StopCondition]:
+        self.game.wait_for_turn(self.seat)
+        text = self.game.take_messages(self.seat)
+        return [{"role": "user", "content": text}], StopCondition(max_tokens=self.config.max_tokens)
+
+    def _outcome(self, extra: float = 0.0, refused: bool = False) -> StepResult:
+        if self.game.abandoned is not None:
+            return StepResult(
+                reward=extra,
+                done=True,
+                error="game_abandoned",
+                info={"reason": self.game.abandoned, "seat": self.seat},
+            )
+        rewards, info = self.game.live.outcome()
+        reward = rewards.get(self.seat, 0.0)
+        outcome = "win" if reward > 0 else "draw" if reward == 0 else "loss"
+        return StepResult(
+            reward=reward + extra,
+            done=True,
+            error="illegal_move" if refused else None,
+            metrics=_metrics(reward, self.illegal, len(self.game.live.actions), 2),
+            info={
+                "outcome": outcome,
+                "game_reward": reward,
+                "reason": str(info.get(self.seat, {}).get("reason", "")),
+                "seat": self.seat,
+            },
+        )
+
+    def _step(self, action: str) -> StepResult:
+        game = self.game
+        if game.is_over():
+            return self._outcome()
+        try:
+            refused = game.play(self.seat, format_action(action))
+        except GameAbandoned:
+            return self._outcome()
+        extra = self.config.illegal_penalty if refused else 0.0
+        self.illegal += int(refused)
+        if game.is_over():
+            return self._outcome(extra, refused)
+        if not refused:
+            game.wait_for_turn(self.seat)
+            if game.is_over():
+                return self._outcome()
+        return StepResult(
+            reward=extra,
+            done=False,
+            next_messages=[{"role": "user", "content": game.take_messages(self.seat)}],
+            error="illegal_move" if refused else None,
+            metrics={"illegal_moves": float(self.illegal)},
+        )
+
+    def close(self) -> None:
+        # A seat that stops (crash, max turns) must not leave the other waiting forever.
+        self.game.abandon(f"player {self.seat} left the game")
+
+
+@dataclass
+class TextArenaSelfPlayGroupBuilder(GroupBuilder):
+    """G episodes = G/2 games of the group's seed; episodes 2i and 2i+1 are seats 0 and 1."""
+
+    config: TextArenaConfig
+    seed: int
+    group_size: int
+    env_name: str = "textarena"
+    concurrent: bool = True
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"self-play needs an even group size >= 2, got {self.group_size}")
+
+    def make_episodes(self) -> list[Episode]:
+        episodes: list[Episode] = []
+        for _ in range(self.group_size // 2):
+            game = TextArenaCoordinator(self.config, self.seed)
+            episodes += [TextArenaSelfPlayEpisode(game, 0), TextArenaSelfPlayEpisode(game, 1)]
+        return episodes
