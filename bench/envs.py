@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,22 @@ def scripted(env: str):
 
     def policy(inp: PolicyInput) -> str:
         text = inp.messages[-1]["content"]
+        if env == "reasoning_gym":
+            # chain_sum: "... arithmetic problem: 42 - 25 =" -> the right answer, boxed.
+            terms = re.findall(r"-?\d+|[+-]", text.split(":")[-1].split("=")[0])
+            total, sign = 0, 1
+            for term in terms:
+                if term in "+-":
+                    sign = 1 if term == "+" else -1
+                else:
+                    total += sign * int(term)
+            return f"\\boxed{{{total}}}"
+        if env == "textarena":
+            # TicTacToe against the random opponent: the first move the game lists.
+            seen = "\n".join(m["content"] for m in inp.messages if m["role"] == "user")
+            listed = re.findall(r"Available Moves:[^\n]*", seen)
+            moves = re.findall(r"'(\[[^']*\])'", listed[-1]) if listed else []
+            return moves[0] if moves else "[4]"
         if env == "bandit":
             return "\\boxed{1}"
         if env == "math":
@@ -102,15 +119,26 @@ def main() -> None:
         "gomoku": max(1, args.groups // 4),
         # Every episode runs the sandbox once (~0.1 s), so fewer groups keep the run short.
         "math_code": max(1, args.groups // 10),
+        "reasoning_gym": args.groups,
+        "textarena": max(1, args.groups // 4),
+    }
+    configs = {
+        "reasoning_gym": {
+            "dataset": "chain_sum",
+            "options": {"min_terms": 2, "max_terms": 3},
+            "answer_format": "boxed",
+        },
+        "textarena": {"game": "TicTacToe-v0", "opponent": "random"},
     }
     print(
-        f"{'env':<10} {'episodes':>8} {'inline ep/s':>12} {'queue ep/s':>11} "
+        f"{'env':<14} {'episodes':>8} {'inline ep/s':>12} {'queue ep/s':>11} "
         f"{'queue/inline time':>18}"
     )
     try:
         for env, n_groups in plan.items():
             specs = group_specs(
                 env,
+                config=configs.get(env),
                 rows=rows if env.startswith("math") else None,
                 n_groups=n_groups,
                 group_size=args.group_size,
@@ -131,7 +159,7 @@ def main() -> None:
                 for a, b in zip(ga, gb)
             )
             print(
-                f"{env:<10} {n:>8} {n / t_inline:>12.1f} {n / t_remote:>11.1f} "
+                f"{env:<14} {n:>8} {n / t_inline:>12.1f} {n / t_remote:>11.1f} "
                 f"{t_remote / t_inline:>17.2f}x{'' if same else '  (REWARDS DIFFER)'}"
             )
     finally:
