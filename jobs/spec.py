@@ -147,6 +147,17 @@ class RolloutSpec(_Section):
             "the same seed. Native runner only; self-play envs run inline only."
         ),
     )
+    max_off_policy_steps: int = Field(
+        0,
+        ge=0,
+        le=4,
+        description=(
+            "Pipelined RL (native runner): the rollouts of step k+1 are sampled while step k "
+            "trains, from the last published snapshot, at most this many steps behind the "
+            "weights they train (the loss's importance ratio corrects for it). 0 = every "
+            "step samples the weights the previous step ended with."
+        ),
+    )
 
 
 class LoRASpec(_Section):
@@ -481,6 +492,10 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
                 "rollout.env_execution",
                 "the verl runner steps environments in its own workers: 'inline' only",
             )
+        )
+    if spec.rollout.max_off_policy_steps:
+        errors.append(
+            ("rollout.max_off_policy_steps", "the native runner's pipelining: 0 with verl")
         )
     return errors
 

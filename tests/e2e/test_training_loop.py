@@ -201,3 +201,95 @@ def test_it_trains_on_generator_and_multi_turn_envs(
         assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     # The policy left the shared engine: the next job starts from a clean host.
     assert f"gen-{env}" not in engine.policies
+
+
+def _pipelined_spec(ahead: int, steps: int = 4, **extra: Any) -> Any:
+    return parse_spec(
+        {
+            "method": "rl",
+            "env": "math",
+            "dataset": "builtin:unused",
+            "steps": steps,
+            "seed": 5,
+            "checkpoint_every": 2,
+            "rollout": {
+                "group_size": 4,
+                "prompts_per_step": 3,
+                "max_tokens": 24,
+                "max_off_policy_steps": ahead,
+            },
+            "lora": {"rank": 4, "alpha": 8},
+            "optimizer": {"lr": 1e-3},
+            **extra,
+        }
+    )
+
+
+def _adapter(workdir: Path) -> dict[str, torch.Tensor]:
+    return load_file(workdir / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("ahead, behind", [(0, [0, 0, 0, 0]), (1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
+def test_pipelined_rollouts_sample_a_snapshot_at_most_the_allowed_steps_behind(
+    engine: Engine, tmp_path: Path, ahead: int, behind: list[int]
+) -> None:
+    """Step k's rollouts are requested while earlier steps train, from the snapshot published
+    when they were requested; the run is deterministic whatever the threads' timing."""
+    spec = _pipelined_spec(ahead)
+    runs = []
+    for name in ("a", "b"):
+        ctx = Recorder(tmp_path / name)
+        assert run_loop(engine, ctx, spec, f"pipe-{ahead}-{name}") is True
+        runs.append(ctx)
+    first, second = runs
+    assert [first.metrics[s]["rollout/off_policy_steps"] for s in (1, 2, 3, 4)] == behind
+    # Snapshots a finished step no longer samples are dropped as it goes.
+    loop = TrainingLoop(
+        Recorder(tmp_path / "c"),
+        spec,
+        engine,
+        rows=addition_rows(200),
+        eval_rows=[],
+        policy_id=f"pipe-{ahead}-c",
+    )
+    try:
+        assert loop.run() is True
+        assert loop.policy.versions == [loop.version]
+    finally:
+        loop.close()
+    assert any(first.metrics[s]["datums"] > 0 for s in (1, 2, 3, 4))
+    for step in (1, 2, 3, 4):
+        for name in ("reward/mean", "loss", "grad_norm"):
+            assert first.metrics[step][name] == second.metrics[step][name], (step, name)
+    a, b = _adapter(tmp_path / "a"), _adapter(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_off_policy_rollouts_train_other_weights_than_on_policy_ones(
+    engine: Engine, tmp_path: Path
+) -> None:
+    on, off = Recorder(tmp_path / "on"), Recorder(tmp_path / "off")
+    assert run_loop(engine, on, _pipelined_spec(0), "on-policy") is True
+    assert run_loop(engine, off, _pipelined_spec(1), "off-policy") is True
+    # Step 1 samples the initial weights either way; step 2 samples other weights.
+    assert on.metrics[1]["reward/mean"] == off.metrics[1]["reward/mean"]
+    assert on.metrics[1]["loss"] == off.metrics[1]["loss"]
+    a, b = _adapter(tmp_path / "on"), _adapter(tmp_path / "off")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_pipelined_run_resumes_at_its_checkpoints_data_cursor(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """The checkpoint after step 2 holds the cursor before step 3's prefetched groups, so the
+    resumed run trains on the same rows; its first step samples on-policy (the snapshot step
+    3 was prefetched from is not in the checkpoint)."""
+    spec = _pipelined_spec(1)
+    broken = tmp_path / "broken"
+    first = Recorder(broken, stop_after=3)
+    assert run_loop(engine, first, spec, "pipe-first") is False
+    second = Recorder(broken, attempt=2)
+    assert run_loop(engine, second, spec, "pipe-second") is True
+    assert second.events[0][1] == {"checkpoint": "step-000002", "step": 2, "cursor": 6}
+    assert [second.metrics[s]["rollout/off_policy_steps"] for s in (3, 4)] == [0, 1]
+    assert sorted(second.metrics) == [3, 4]

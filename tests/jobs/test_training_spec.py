@@ -177,3 +177,12 @@ def test_it_holds_textarena_self_play_to_gomoku_self_plays_rules() -> None:
     assert "runner" in [e["field"] for e in errors_of({**selfplay, "runner": "verl"})]
     # Against the random opponent each episode plays alone.
     parse_spec({"method": "rl", "env": "textarena", "rollout": {"group_size": 3}})
+
+
+def test_it_bounds_pipelined_rollouts_and_keeps_them_off_verl() -> None:
+    data = {"method": "rl", **MATH, "rollout": {"max_off_policy_steps": 1}}
+    assert parse_spec(data).rollout.max_off_policy_steps == 1
+    too_far = errors_of({**data, "rollout": {"max_off_policy_steps": 5}})
+    assert [e["field"] for e in too_far] == ["rollout.max_off_policy_steps"]
+    verl = errors_of({**data, "runner": "verl"})
+    assert "rollout.max_off_policy_steps" in [e["field"] for e in verl]

@@ -5,6 +5,10 @@
 - RL step: take `prompts_per_step` groups from the data order (`data_order`), play them
   against the current snapshot (`rollouts.play_groups`), turn rewards into advantages and
   datums (`data_processing`), then `forward_backward` + `optim_step` and publish a snapshot.
+  With `rollout.max_off_policy_steps` = S > 0 the rollouts of the next S steps are sampled on
+  a background thread while a step trains, each from the snapshot published when it was
+  requested (at most S steps behind); requests are made on the loop's thread in step order
+  and run one after the other, so a pipelined run is as deterministic as a sequential one.
 - SFT step: `batch_size` rows rendered exactly as the env shows them, cross entropy on the
   answer tokens.
 - Every `eval_every` steps: greedy decoding on the held-out prompts (`evaluation`).
@@ -24,12 +28,15 @@ import json
 import os
 import shutil
 import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from environments.registry import get_env
 from environments.renderer import Renderer
-from environments.types import DataSource
+from environments.types import DataSource, Trajectory
 from jobs.engines import policy_from_spec
 from jobs.spec import JobSpec
 from training import ops
@@ -54,6 +61,24 @@ __all__ = ["MICRO_BATCH", "TrainingLoop"]
 
 # Rows per forward_backward call: bounds activation memory on big models.
 MICRO_BATCH = 64
+
+
+@dataclass
+class _Rollouts:
+    """One step's played groups and the snapshot that played them."""
+
+    version: int
+    groups: list[list[Trajectory]]
+    stats: RolloutStats
+
+
+@dataclass
+class _Request:
+    step: int
+    version: int
+    cursor_before: int
+    """The data cursor before this step's groups were taken: where a resume starts."""
+    result: Future[_Rollouts] | _Rollouts
 
 
 class TrainingLoop:
@@ -102,6 +127,12 @@ class TrainingLoop:
         self.cursor = 0
         self.version: int | None = None
         self.last_eval: dict[str, float] = {}
+        # Pipelined rollouts: requested steps in order, the snapshots they sample (kept until
+        # their step has trained), the step each snapshot was published after.
+        self._requests: deque[_Request] = deque()
+        self._pinned: Counter[int] = Counter()
+        self._published_at: dict[int, int] = {}
+        self._sampler: ThreadPoolExecutor | None = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -124,26 +155,39 @@ class TrainingLoop:
         return True
 
     def save_checkpoint(self) -> dict[str, Any]:
+        # Groups already taken for steps still in the pipeline are taken again on resume.
+        cursor = self._requests[0].cursor_before if self._requests else self.cursor
         return self.checkpoints.save(
             self.policy,
             name=f"step-{self.step:06d}",
             extra={
                 "step": self.step,
-                "cursor": self.cursor,
+                "cursor": cursor,
                 "attempt": self.ctx.attempt,
                 "eval": self.last_eval,
             },
         )
 
     def publish(self) -> int:
-        """A new snapshot of the live weights; the previous one is dropped (nobody samples it)."""
+        """A new snapshot of the live weights; the previous one is dropped unless a requested
+        step still samples it."""
         previous = self.version
         self.version = self.policy.snapshot()
-        if previous is not None:
-            self.policy.release(previous)
+        self._published_at[self.version] = self.step
+        if previous is not None and not self._pinned[previous]:
+            self._release(previous)
         return self.version
 
+    def _release(self, version: int) -> None:
+        self.policy.release(version)
+        self._published_at.pop(version, None)
+
     def close(self) -> None:
+        if self._sampler is not None:
+            # A stopped run's prefetched rollouts are not needed: the next attempt redoes them.
+            self._sampler.shutdown(wait=True, cancel_futures=True)
+            self._sampler = None
+        self._requests.clear()
         if self.policy.id in self.engine.policies:
             self.engine.remove_policy(self.policy.id)
 
@@ -172,20 +216,15 @@ class TrainingLoop:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def rl_step(self) -> dict[str, float]:
+    def _play(self, step: int, group_specs: list[dict[str, Any]], version: int) -> _Rollouts:
         spec = self.spec
-        started = time.perf_counter()
-        if self.version is None:
-            self.publish()
-        step = self.step + 1
-        group_specs = self._take_groups(spec.rollout.prompts_per_step, spec.rollout.group_size)
         stats = RolloutStats()
         groups = play_groups(
             self.engine,
             self.renderer,
             group_specs,
             policy=self.policy,
-            version=self.version,
+            version=version,
             temperature=spec.rollout.temperature,
             top_p=spec.rollout.top_p,
             max_tokens=spec.rollout.max_tokens,
@@ -194,6 +233,60 @@ class TrainingLoop:
             stats=stats,
             env_execution=spec.rollout.env_execution,
         )
+        return _Rollouts(version, groups, stats)
+
+    def _request(self, step: int, *, background: bool) -> None:
+        """Take `step`'s groups and fix the snapshot that plays them, here, in step order."""
+        assert self.version is not None
+        cursor = self.cursor
+        specs = self._take_groups(self.spec.rollout.prompts_per_step, self.spec.rollout.group_size)
+        version = self.version
+        self._pinned[version] += 1
+        result: Future[_Rollouts] | _Rollouts
+        if background:
+            if self._sampler is None:
+                self._sampler = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+            result = self._sampler.submit(self._play, step, specs, version)
+        else:
+            result = self._play(step, specs, version)
+        self._requests.append(_Request(step, version, cursor, result))
+
+    def _rollouts_for(self, step: int) -> tuple[_Rollouts, float]:
+        """`step`'s rollouts and the seconds the trainer waited for them (all of the sampling
+        when it runs here); keeps the next `max_off_policy_steps` steps requested."""
+        ahead = self.spec.rollout.max_off_policy_steps
+        waited = time.perf_counter()
+        if not self._requests:
+            self._request(step, background=ahead > 0)
+        last = self._requests[-1].step
+        while last < min(step + ahead, self.spec.steps):
+            last += 1
+            self._request(last, background=True)
+        request = self._requests.popleft()
+        assert request.step == step, (request.step, step)
+        rollouts = request.result
+        if isinstance(rollouts, Future):
+            rollouts = rollouts.result()
+        waited = time.perf_counter() - waited
+        self._pinned[request.version] -= 1
+        return rollouts, waited
+
+    def _unpin(self, version: int) -> None:
+        # publish() already dropped it when no request held it any more.
+        held = version in self._published_at
+        if held and not self._pinned[version] and version != self.version:
+            self._release(version)
+
+    def rl_step(self) -> dict[str, float]:
+        spec = self.spec
+        started = time.perf_counter()
+        if self.version is None:
+            self.publish()
+        step = self.step + 1
+        rollouts, waited = self._rollouts_for(step)
+        groups, stats = rollouts.groups, rollouts.stats
+        # Steps between the weights that sampled and the weights that train (0: on-policy).
+        behind = self.step - self._published_at[rollouts.version]
         batch = rl_batch(spec, groups)
         datums = batch.datums
         kl_base = (
@@ -211,8 +304,9 @@ class TrainingLoop:
             tokens += result.metrics.get("tokens:sum", 0.0)
             loss_metrics = result.metrics
         opt = ops.optim_step(self.policy, self.adam)
-        self.publish()
         self.step = step
+        self.publish()
+        self._unpin(rollouts.version)
         train_seconds = time.perf_counter() - train_started
         elapsed = time.perf_counter() - started
 
@@ -230,6 +324,8 @@ class TrainingLoop:
             "grad_norm": opt["grad_norm"],
             "sample/tokens": float(stats.sampled_tokens),
             "sample/seconds": stats.seconds,
+            "sample/wait_seconds": waited,
+            "rollout/off_policy_steps": float(behind),
             "train/seconds": train_seconds,
             "tokens_per_s": stats.sampled_tokens / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed,
