@@ -26,6 +26,7 @@ from environments.envs.textarena_env import (
     TextArenaSelfPlayGroupBuilder,
     game_names,
 )
+from environments.envs.textworld_env import TextWorldConfig, TextWorldGroupBuilder, check_game
 from environments.schema import Column, DatasetSchema
 from environments.types import DataSource, GroupBuilder, Interaction
 
@@ -282,6 +283,13 @@ def _register_builtins() -> None:
             return TextArenaSelfPlayGroupBuilder(config, seed, group_size)
         return TextArenaGroupBuilder(config, seed, group_size)
 
+    def textworld_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        try:
+            game = check_game(row.get("game"))
+        except ValueError as exc:
+            raise ContractError("row.game", str(exc)) from exc
+        return TextWorldGroupBuilder(config, game, group_size)
+
     register(
         EnvSpec(
             "math",
@@ -355,6 +363,27 @@ def _register_builtins() -> None:
             TextArenaConfig,
             textarena_factory,
             choices=lambda: {"game": game_names()},
+        )
+    )
+    register(
+        EnvSpec(
+            "textworld",
+            DataSource.DATASET,
+            Interaction.MULTI_TURN,
+            "A generated TextWorld text adventure (cooking or pick-and-place); each command's "
+            "reward is the score it gains.",
+            TextWorldConfig,
+            textworld_factory,
+            DatasetSchema(
+                (
+                    Column(
+                        "game",
+                        (str,),
+                        description="the game file, relative to the pool that "
+                        "scripts/build_textworld_games.py builds",
+                    ),
+                )
+            ),
         )
     )
 
