@@ -1,4 +1,5 @@
-"""Root URLs: admin, API v1, OpenAPI schema and docs, health check, sign-in and web pages."""
+"""Root URLs: admin, API v1, OpenAI-compatible /v1, OpenAPI schema and docs, health check,
+sign-in and web pages."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ urlpatterns = [
     path("api/v1/", include("opentinker_site.api")),
     # The Tinker protocol: paths fixed by the tinker SDK (create_session, asample, ...).
     path("api/v1/", include("tinker_api.urls")),
+    # OpenAI-compatible serving of every trained policy (docs/serving.md).
+    path("v1/", include("tinker_api.serving.urls")),
     path("api/auth/", include("rest_framework.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),

@@ -13,7 +13,8 @@ Keys (prefix ``ot:tinker:``):
 - ``alive:<worker_id>``     STRING refreshed by a worker's heartbeat (TTL: one lease)
 - ``starting:<base>``       STRING set while a worker is being started (no second start)
 - ``next:<model_id>``       STRING the next seq_id a model executes (survives its worker)
-- ``samples:<base>``        STRING sample requests queued and not yet answered (backpressure)
+- ``samples:<base>``        STRING sample and OpenAI-style requests queued or running and not
+                            yet answered (backpressure)
 - ``stab:<team>:<seq>``     STRING JSON ``{"tokens", "logprobs"}`` of a sequence sampled with
                             ``record_stability_info`` (StableReinforce); one day, renewed by use
 """
@@ -187,7 +188,7 @@ _SUBMIT = (
     "if redis.call('EXISTS', KEYS[2]) == 0 then "
     "  redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[10], '0', 'MKSTREAM') "
     "end "
-    "if ARGV[5] == 'sample' then redis.call('INCR', KEYS[4]) end "
+    "if ARGV[5] == 'sample' or ARGV[5] == 'chat' then redis.call('INCR', KEYS[4]) end "
     "if ARGV[9] == '1' then redis.call('XADD', KEYS[2], '*', 'op', ARGV[8], 'body', ARGV[11]) "
     "else redis.call('XADD', KEYS[2], '*', 'op', ARGV[8]) end "
     "return ARGV[2]"

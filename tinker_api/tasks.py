@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from celery import shared_task
 
 from tinker_api import futures
+from tinker_api.events import QUEUE_COUNTED
 from tinker_api.services.queue import SERVE_BASE_MODEL
 from workers import conf
 from workers.devices import lease_devices
@@ -102,6 +103,6 @@ def drain_failed(base: str, worker_id: str, reason: str) -> None:
         for entry_id, raw in entries:
             op = json.loads(raw[b"op"])
             futures.fail(str(op["rid"]), reason)
-            if op.get("op") == "sample":
+            if op.get("op") in QUEUE_COUNTED:
                 futures.samples_answered(base, 1)
             r.xack(futures.stream_key(base), futures.GROUP, entry_id)

@@ -376,6 +376,38 @@ class FusedDecoder:
         state.values = state.values.index_select(1, index_B)
         state.bias_B_T = state.bias_B_T.index_select(0, index_B)
 
+    @staticmethod
+    def join(state: _FusedState, other: _FusedState) -> None:
+        """Append the rows of `other` (a prefill of new prompts) to those of `state`, which
+        may be mid-decode: continuous batching.
+
+        Both caches are right-aligned at their current length (every row's next token is
+        written at the same column), so the shorter one is shifted right and its new left
+        columns are padding. Positions are per row (rotary is applied before caching), so a
+        row's column offset changes nothing it computes. The capacity left is the larger
+        of the two: each row still fits everything it may generate.
+        """
+        t, u = state.length, other.length
+        length = max(t, u)
+        capacity = length + max(state.keys.shape[3] - t, other.keys.shape[3] - u)
+        layers, rows, kv_heads, _, head_dim = state.keys.shape
+        total = rows + other.keys.shape[1]
+        merged = []
+        for mine, theirs in ((state.keys, other.keys), (state.values, other.values)):
+            both = mine.new_zeros((layers, total, kv_heads, capacity, head_dim))
+            both[:, :rows, :, length - t : length] = mine[:, :, :, :t]
+            both[:, rows:, :, length - u : length] = theirs[:, :, :, :u]
+            merged.append(both)
+        bias = state.bias_B_T.new_zeros((total, capacity))
+        bias[:, :length] = float("-inf")
+        bias[:rows, length - t : length] = state.bias_B_T[:, :t]
+        bias[rows:, length - u : length] = other.bias_B_T[:, :u]
+        if other.cos_T_D.shape[0] > state.cos_T_D.shape[0]:
+            state.cos_T_D, state.sin_T_D = other.cos_T_D, other.sin_T_D
+        state.keys, state.values = merged
+        state.bias_B_T = bias
+        state.length = length
+
     # -- pieces -----------------------------------------------------------------------------
 
     @staticmethod

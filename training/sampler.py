@@ -121,6 +121,19 @@ class _Uniforms:
         if self.buffer is not None:
             self.buffer = self.buffer.index_select(0, index_B)
 
+    def extend(self, generators: list[torch.Generator | None]) -> None:
+        """Append rows that join mid-call: their draws of the current chunk start where the
+        others' stand, so a seeded row gets its generator's stream from its first value."""
+        self.generators = self.generators + generators
+        if self.buffer is None or self.index == self.CHUNK:
+            self.index = self.CHUNK  # the next draw refills every row
+            self.buffer = None
+            return
+        fresh = torch.zeros((len(generators), self.CHUNK), device=self.device, dtype=torch.float64)
+        for i, gen in enumerate(generators):
+            fresh[i, self.index :].uniform_(generator=gen)
+        self.buffer = torch.cat([self.buffer, fresh])
+
 
 def _choose_tokens(
     logits_B_V: torch.Tensor,

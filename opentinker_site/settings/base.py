@@ -217,6 +217,9 @@ OPENTINKER_TINKER_MAX_MODELS_PER_TEAM = read_int(
 OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = read_int(
     "OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT", 256, minimum=1
 )
+# OpenAI-style serving (/v1): requests one team may have in flight at once, across its keys
+# and base models (more are answered 429), so that one team cannot take a whole queue.
+OPENTINKER_OPENAI_TEAM_CONCURRENCY = read_int("OPENTINKER_OPENAI_TEAM_CONCURRENCY", 32, minimum=1)
 OPENTINKER_TINKER_LONG_POLL_SECONDS = read_int(
     "OPENTINKER_TINKER_LONG_POLL_SECONDS", 10, minimum=0, maximum=300
 )

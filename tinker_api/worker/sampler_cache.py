@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from tinker_api.worker.lora import LORA_ALPHA
 from tinker_api.worker.requests import RequestError
@@ -47,9 +50,11 @@ class SamplerCache:
     def key(self, target: Mapping[str, Any], policies: Mapping[str, Policy]) -> str | None:
         """The host adapter key that samples ``target``: None for the base model, a live
         snapshot this worker made, else the sampler checkpoint loaded from disk."""
-        if not target.get("model"):
+        if not target.get("model") and not target.get("file"):
             return None
-        live = self.snapshots.get(int(target["checkpoint"]))
+        # A job's adapter or checkpoint (served by the OpenAI-style endpoints) names only its
+        # file: no snapshot of this worker can hold it.
+        live = self.snapshots.get(int(target["checkpoint"])) if "checkpoint" in target else None
         if live is not None:
             policy, version = live
             # A rebuilt model is a new policy object: its old snapshots are gone.
@@ -64,13 +69,32 @@ class SamplerCache:
         return key
 
     def _load(self, file: str, target: Mapping[str, Any]) -> str:
-        if not peft_io.weights_path(file).is_file():
-            raise RequestError("the sampler checkpoint's files are gone (deleted or expired)")
-        weights = peft_io.read_adapter(file, device=self.engine.device)
+        if file.endswith(".pt"):
+            weights = self._read_state(file)
+        else:
+            if not peft_io.weights_path(file).is_file():
+                raise RequestError("the sampler checkpoint's files are gone (deleted or expired)")
+            weights = peft_io.read_adapter(file, device=self.engine.device)
+        scale = float(target["scale"]) if "scale" in target else LORA_ALPHA / int(target["rank"])
         key = f"sampler:{uuid.uuid4().hex[:12]}"
-        self.engine.host.register(key, weights, LORA_ALPHA / int(target["rank"]), frozen=True)
+        self.engine.host.register(key, weights, scale, frozen=True)
         self.loaded[file] = key
         while len(self.loaded) > LOADED_SAMPLERS:
             oldest = next(iter(self.loaded))
             self.engine.host.unregister(self.loaded.pop(oldest))
         return key
+
+    def _read_state(self, file: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The LoRA pairs of a training state (``Policy.save_state``: a job's checkpoint),
+        without its optimizer moments."""
+        path = Path(file)
+        if not path.is_file():
+            raise RequestError("the checkpoint's files are gone (deleted or rotated)")
+        state = torch.load(path, map_location=self.engine.device, weights_only=True)
+        weights = state.get("weights") or {}
+        pairs = peft_io.from_peft_tensors(
+            {f"{peft_io.KEY_PREFIX}{name}": value for name, value in weights.items()}
+        )
+        if not pairs:
+            raise RequestError("the checkpoint holds no LoRA weights (a full fine-tuning run)")
+        return pairs

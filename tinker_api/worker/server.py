@@ -12,6 +12,7 @@ from django.db import close_old_connections
 
 from tinker_api import futures
 from tinker_api.services import sessions
+from tinker_api.worker.chat import ChatHandler
 from tinker_api.worker.handlers import TrainingHandlers
 from tinker_api.worker.ordering import SeqOrder
 from tinker_api.worker.policies import Policies
@@ -67,7 +68,9 @@ class ModelWorker:
         self.order = SeqOrder(worker_id)
         self.training = TrainingHandlers(self.policies, self.samplers)
         self.sampling = SamplingHandler(base, self.engine, self.policies, self.samplers)
+        self.chat = ChatHandler(base, self.engine, self.policies, self.samplers)
         self.samples: list[Op] = []
+        self.chats: list[Op] = []
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -105,6 +108,9 @@ class ModelWorker:
         if op.kind == "sample":
             self.samples.append(op)
             return
+        if op.kind == "chat":
+            self.chats.append(op)
+            return
         if op.kind == "close":
             self.close_models(op.fields["models"], "has finished")
             futures.complete(op.rid, json_body=b"{}")
@@ -133,7 +139,7 @@ class ModelWorker:
         return gone
 
     def has_runnable(self) -> bool:
-        return bool(self.samples) or self.order.has_runnable()
+        return bool(self.samples) or bool(self.chats) or self.chat.busy or self.order.has_runnable()
 
     # ---------------------------------------------------------------- scheduling
 
@@ -144,7 +150,12 @@ class ModelWorker:
         if self.gather <= 0:
             return
         deadline = time.monotonic() + self.gather
-        while not self.samples and self.order.awaiting_others():
+        while (
+            not self.samples
+            and not self.chats
+            and not self.chat.busy
+            and self.order.awaiting_others()
+        ):
             left = deadline - time.monotonic()
             if left <= 0 or not self.read(max(1, round(left * 1000))):
                 return
@@ -155,6 +166,14 @@ class ModelWorker:
         if self.samples:
             batch, self.samples = self.samples, []
             self.sampling.run(batch)
+            progressed = True
+        # One decode step of the chat batch per turn: what was read since joins it first.
+        if self.chats:
+            chats, self.chats = self.chats, []
+            self.chat.admit(chats)
+            progressed = True
+        if self.chat.busy:
+            self.chat.step()
             progressed = True
         ready = self.order.take_ready()
         for op in ready.singles:
@@ -179,9 +198,13 @@ class ModelWorker:
             futures.fail(op.rid, reason)
         for op in self.samples:
             futures.fail(op.rid, reason)
-        futures.samples_answered(self.base, len(self.samples))
+        for op in self.chats:
+            futures.fail(op.rid, reason)
+        futures.samples_answered(self.base, len(self.samples) + len(self.chats))
+        self.chat.fail_all(reason)
         self.order.pending.clear()
         self.samples = []
+        self.chats = []
 
     def drain(self, seconds: float) -> None:
         """Run what has been read and is runnable, for at most ``seconds``; requests still in
@@ -208,7 +231,8 @@ class ModelWorker:
             self.gather_batch()
             if self.step():
                 continue
-            quiet = not self.order.pending and not self.samples
+            quiet = not self.order.pending and not self.samples and not self.chats
+            quiet = quiet and not self.chat.busy
             if quiet and time.monotonic() - self.last_activity > idle:
                 return "idle"
         return "stopped"

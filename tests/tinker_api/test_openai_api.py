@@ -1,0 +1,391 @@
+"""The OpenAI-compatible endpoints at the door: keys, model names, parameters and the queue
+limit, answered in OpenAI's error shape before anything reaches a model worker; and the text
+a stream releases as tokens arrive (stop strings held back, then cut).
+
+No worker runs here: the requests that pass the door are checked by what lands on the base
+model's stream (``tests/tinker_api/test_openai_live.py`` runs them for real).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from jobs.models import Job, JobState
+from tests.tinker_api.conftest import BASE_NAME
+from tinker_api import events, futures
+from tinker_api.models import Checkpoint, TinkerSession, TrainingModel
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def bearer(key: str) -> Client:
+    return Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+
+
+def post(client: Client, path: str, body: dict[str, Any]) -> Any:
+    return client.post(path, data=json.dumps(body), content_type="application/json")
+
+
+def error_of(response: Any) -> dict[str, Any]:
+    assert response["Content-Type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return dict(body["error"])
+
+
+@pytest.fixture
+def served(tinker_base: Any, tinker_data_dir: Path, clean_tinker_keys: None) -> Any:
+    return tinker_base
+
+
+@pytest.fixture
+def finished_job(team: Any, owner: Any, tinker_data_dir: Path) -> Job:
+    """A finished job with a final adapter and one native checkpoint on disk (the files are
+    only looked at here, never loaded)."""
+    job = Job.objects.create(
+        team=team,
+        created_by=owner,
+        name="adder",
+        spec={
+            "method": "rl",
+            "env": "bandit",
+            "base_model": BASE_NAME,
+            "lora": {"rank": 4, "alpha": 8.0},
+        },
+        spec_version=1,
+        state=JobState.SUCCEEDED,
+    )
+    root = tinker_data_dir / "jobs" / str(job.pk)
+    (root / "adapter").mkdir(parents=True)
+    (root / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    ckpt = root / "checkpoints" / "step-000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.pt").write_bytes(b"state")
+    line = {"name": "step-000002", "step": 2, "path": "x", "created": 5.0, "extra": {"step": 2}}
+    (root / "checkpoints" / "checkpoints.jsonl").write_text(json.dumps(line) + "\n")
+    return job
+
+
+@pytest.fixture
+def sampler_checkpoint(team: Any, owner: Any) -> Checkpoint:
+    session = TinkerSession.objects.create(id="sess-1", team=team)
+    model = TrainingModel.objects.create(
+        id="sess-1:train:0", session=session, team=team, base_model=BASE_NAME, lora_rank=8
+    )
+    return Checkpoint.objects.create(
+        model=model,
+        team=team,
+        kind=Checkpoint.Kind.SAMPLER,
+        name="s1",
+        file="tinker/s1",
+        size_bytes=10,
+    )
+
+
+def queued_ops(redis_client: Any) -> list[dict[str, Any]]:
+    entries = redis_client.xrange(futures.stream_key(BASE_NAME))
+    return [json.loads(fields[b"op"]) for _id, fields in entries]
+
+
+def test_it_answers_401_in_openai_shape_without_a_valid_key(served: Any) -> None:
+    missing = Client().get("/v1/models")
+    assert missing.status_code == 401
+    assert error_of(missing)["type"] == "invalid_request_error"
+    bad = bearer("otk_nope_nope").post(CHAT, data="{}", content_type="application/json")
+    assert bad.status_code == 401
+    assert error_of(bad)["code"] == "invalid_api_key"
+
+
+def test_it_lists_what_the_key_may_use_and_hides_other_teams(
+    served: Any,
+    finished_job: Job,
+    sampler_checkpoint: Checkpoint,
+    owner_key: tuple[Any, str],
+    outsider_key: tuple[Any, str],
+) -> None:
+    mine = bearer(owner_key[1]).get("/v1/models").json()
+    assert mine["object"] == "list"
+    ids = [m["id"] for m in mine["data"]]
+    job_id = f"job:{finished_job.pk}"
+    assert ids[0] == BASE_NAME
+    assert {job_id, f"{job_id}:step-000002", "tinker://sess-1:train:0/sampler_weights/s1"} <= set(
+        ids
+    )
+    assert all(m["object"] == "model" and m["root"] == BASE_NAME for m in mine["data"])
+    theirs = [m["id"] for m in bearer(outsider_key[1]).get("/v1/models").json()["data"]]
+    assert theirs == [BASE_NAME]
+    one = bearer(owner_key[1]).get(f"/v1/models/{job_id}:step-000002")
+    assert one.status_code == 200 and one.json()["id"] == f"{job_id}:step-000002"
+    hidden = bearer(outsider_key[1]).get(f"/v1/models/{job_id}")
+    assert hidden.status_code == 404 and error_of(hidden)["code"] == "model_not_found"
+
+
+def test_it_lists_a_teams_sampler_weights_alone(
+    served: Any, sampler_checkpoint: Checkpoint, owner_key: tuple[Any, str]
+) -> None:
+    ids = [m["id"] for m in bearer(owner_key[1]).get("/v1/models").json()["data"]]
+    assert ids == [BASE_NAME, "tinker://sess-1:train:0/sampler_weights/s1"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt-4o",
+        "job:not-a-uuid",
+        "job:00000000-0000-0000-0000-000000000000",
+        "tinker://nope/sampler_weights/x",
+        "tinker://bad-path",
+    ],
+)
+def test_it_answers_404_naming_model_for_unknown_names(
+    served: Any, owner_key: tuple[Any, str], name: str
+) -> None:
+    response = post(bearer(owner_key[1]), CHAT, {"model": name, "messages": QUESTION})
+    assert response.status_code == 404
+    error = error_of(response)
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert name in error["message"]
+
+
+def test_it_answers_404_for_another_teams_job_by_id_name_and_checkpoint(
+    served: Any, finished_job: Job, sampler_checkpoint: Checkpoint, outsider_key: tuple[Any, str]
+) -> None:
+    outsider = bearer(outsider_key[1])
+    for name in (
+        f"job:{finished_job.pk}",
+        f"job:{finished_job.pk}:step-000002",
+        "adder",
+        "tinker://sess-1:train:0/sampler_weights/s1",
+    ):
+        response = post(outsider, COMPLETIONS, {"model": name, "prompt": "1+1="})
+        assert response.status_code == 404, name
+        assert error_of(response)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_tokens"),
+        ({"temperatur": 1}, "temperatur"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"seed": "abc"}, "seed"),
+    ],
+)
+def test_it_answers_400_naming_the_bad_chat_parameter(
+    served: Any, owner_key: tuple[Any, str], body: dict[str, Any], param: str, redis_client: Any
+) -> None:
+    response = post(bearer(owner_key[1]), CHAT, {"model": BASE_NAME, "messages": QUESTION, **body})
+    assert response.status_code == 400, response.content
+    error = error_of(response)
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+    assert queued_ops(redis_client) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 30}, "logprobs"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a"] * 65}, "prompt"),
+        ({"prompt": {"text": "a"}}, "prompt"),
+    ],
+)
+def test_it_answers_400_naming_the_bad_completion_parameter(
+    served: Any, owner_key: tuple[Any, str], body: dict[str, Any], param: str
+) -> None:
+    response = post(bearer(owner_key[1]), COMPLETIONS, {"model": BASE_NAME, "prompt": "1", **body})
+    assert response.status_code == 400, response.content
+    assert error_of(response)["param"] == param
+
+
+def test_it_refuses_bodies_that_are_not_json_objects(
+    served: Any, owner_key: tuple[Any, str]
+) -> None:
+    client = bearer(owner_key[1])
+    for raw in (b"{not json", b"[1, 2]", b""):
+        response = client.post(CHAT, data=raw, content_type="application/json")
+        assert response.status_code == 400
+        assert error_of(response)["param"] is None
+
+
+def test_it_answers_unknown_endpoints_and_methods_in_openai_shape(
+    served: Any, owner_key: tuple[Any, str]
+) -> None:
+    client = bearer(owner_key[1])
+    assert client.get("/v1/embeddings").status_code == 404
+    assert error_of(client.get("/v1/embeddings"))["type"] == "invalid_request_error"
+    assert client.get(CHAT).status_code == 405
+    assert error_of(client.get(CHAT))["message"].startswith("method GET")
+
+
+def test_it_answers_429_with_retry_after_when_the_queue_is_full(
+    served: Any, owner_key: tuple[Any, str], redis_client: Any, settings: Any
+) -> None:
+    settings.OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = 2
+    redis_client.set(f"{futures.PREFIX}samples:{BASE_NAME}", 2)
+    response = post(bearer(owner_key[1]), CHAT, {"model": BASE_NAME, "messages": QUESTION})
+    assert response.status_code == 429
+    assert response["Retry-After"] == "1"
+    assert error_of(response)["code"] == "rate_limit_exceeded"
+    assert queued_ops(redis_client) == []
+    # The refused request holds no place in its team's concurrency limit either.
+    assert redis_client.zcard(events.inflight_key(owner_key[0].team_id)) == 0
+
+
+@pytest.fixture
+def door_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No worker runs: a request that passes the door is given up at its first silent poll
+    (503) and stays queued; no worker is started for it."""
+    from tinker_api.serving import views
+
+    monkeypatch.setattr(views, "SILENCE_SECONDS", 0.0)
+    monkeypatch.setattr(views, "POLL_MS", 1)
+    monkeypatch.setattr("tinker_api.services.serving.ensure_worker", lambda base: "active")
+
+
+def test_it_limits_the_requests_one_team_has_in_flight(
+    served: Any,
+    door_only: None,
+    owner_key: tuple[Any, str],
+    outsider_key: tuple[Any, str],
+    redis_client: Any,
+    settings: Any,
+) -> None:
+    settings.OPENTINKER_OPENAI_TEAM_CONCURRENCY = 1
+    team_id = owner_key[0].team_id
+    body = {"model": BASE_NAME, "messages": QUESTION}
+    # A request of a web process that died long ago no longer counts.
+    assert events.take_slot(team_id, "req-dead", 1, hold_seconds=-1)
+    assert post(bearer(owner_key[1]), CHAT, body).status_code == 503
+    assert events.take_slot(team_id, "req-busy", 1, hold_seconds=60)
+    refused = post(bearer(owner_key[1]), CHAT, body)
+    assert refused.status_code == 429 and refused["Retry-After"] == "1"
+    assert "in flight" in error_of(refused)["message"]
+    # Another team is not held back by this one.
+    assert post(bearer(outsider_key[1]), CHAT, body).status_code == 503
+    # Each answered request gave its place back; only the one still running holds one.
+    assert redis_client.zrange(events.inflight_key(team_id), 0, -1) == [b"req-busy"]
+    assert redis_client.zcard(events.inflight_key(outsider_key[0].team_id)) == 0
+
+
+def test_it_refuses_a_job_without_a_final_adapter_naming_model(
+    served: Any, team: Any, owner: Any, owner_key: tuple[Any, str]
+) -> None:
+    job = Job.objects.create(
+        team=team,
+        created_by=owner,
+        name="running",
+        spec={"method": "rl", "env": "bandit", "base_model": BASE_NAME},
+        spec_version=1,
+        state=JobState.RUNNING,
+    )
+    response = post(bearer(owner_key[1]), COMPLETIONS, {"model": f"job:{job.pk}", "prompt": "1"})
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "model"
+    # By name, only jobs with a final adapter count: this one is not a model yet.
+    by_name = post(bearer(owner_key[1]), COMPLETIONS, {"model": "running", "prompt": "1"})
+    assert by_name.status_code == 404
+
+
+def test_it_refuses_a_training_state_tinker_path_naming_model(
+    served: Any, sampler_checkpoint: Checkpoint, owner_key: tuple[Any, str]
+) -> None:
+    Checkpoint.objects.create(
+        model=sampler_checkpoint.model,
+        team=sampler_checkpoint.team,
+        kind=Checkpoint.Kind.TRAINING,
+        name="t1",
+        file="tinker/t1",
+        size_bytes=10,
+    )
+    response = post(
+        bearer(owner_key[1]),
+        CHAT,
+        {"model": "tinker://sess-1:train:0/weights/t1", "messages": QUESTION},
+    )
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "model"
+
+
+def test_it_queues_one_op_for_the_policys_base_model_worker(
+    served: Any,
+    door_only: None,
+    finished_job: Job,
+    owner_key: tuple[Any, str],
+    redis_client: Any,
+) -> None:
+    """What the door hands the worker: the job's adapter file and LoRA scale, the messages
+    (rendered by the worker), and the sampling settings, OpenAI defaults filled in."""
+    body = {"model": "adder", "messages": QUESTION, "n": 2, "stop": "\n", "seed": 3}
+    response = post(bearer(owner_key[1]), CHAT, body)
+    assert response.status_code == 503
+    assert error_of(response)["type"] == "server_error"
+    (op,) = queued_ops(redis_client)
+    assert op["op"] == "chat" and op["mode"] == "chat" and op["n"] == 2
+    assert op["target"]["file"].endswith(f"jobs/{finished_job.pk}/adapter")
+    assert op["target"]["scale"] == 2.0
+    assert op["messages"] == QUESTION
+    assert op["params"] == {
+        "max_tokens": None,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": 3,
+        "stop": ["\n"],
+        "ignore_eos": False,
+    }
+    # The client that was given up on is marked gone, so a worker would skip the request.
+    assert redis_client.exists(f"{futures.PREFIX}cancel:{op['rid']}")
+    assert futures.queued_samples(BASE_NAME) == 1
+
+
+def test_it_releases_streamed_text_only_once_it_is_final(base_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tinker_api.worker.textstream import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    ids = tokenizer.encode("12+7=19. done", add_special_tokens=False)
+    plain = TextStream(tokenizer)
+    assert "".join(plain.push(t) for t in ids) + plain.finish() == "12+7=19. done"
+
+    stream = TextStream(tokenizer, stop=(". d",))
+    released = []
+    for t in ids:
+        released.append(stream.push(t))
+        if stream.stopped:
+            break
+    released.append(stream.finish())
+    # The text before the stop string, never the stop string nor anything after it.
+    assert "".join(released) == "12+7=19"
+    assert stream.stopped
+    # "." and ". " could begin the stop string: they were held back, not sent and retracted.
+    assert all(". " not in piece for piece in released)

@@ -1,0 +1,192 @@
+"""The model worker's side of the OpenAI-style endpoints, driven directly: ``ChatHandler``
+on a real engine and real Redis, stepped as the worker loop steps it, read back through the
+request's event stream, as the web view reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.tinker_api.conftest import _build_random_model
+from tinker_api import events, futures
+from tinker_api.worker.requests import Op
+
+BASE = "tiny-tinker"
+
+
+@pytest.fixture(scope="module")
+def engine(base_model_dir: Path) -> Any:
+    import torch
+
+    from training.engine import Engine
+
+    torch.set_num_threads(1)
+    return Engine(str(base_model_dir), device="cpu")
+
+
+@pytest.fixture
+def handler(engine: Any, redis_client: Any, clean_tinker_keys: None) -> Any:
+    from tinker_api.worker.chat import ChatHandler
+    from tinker_api.worker.policies import Policies
+    from tinker_api.worker.sampler_cache import SamplerCache
+
+    return ChatHandler(BASE, engine, Policies(engine), SamplerCache(engine))
+
+
+def chat_op(**fields: Any) -> Op:
+    """An op as ``services.serving.submit`` queues it, with its future and queue count."""
+    rid = futures.new_request_id()
+    op = {
+        "op": "chat",
+        "rid": rid,
+        "target": {},
+        "mode": "chat",
+        "messages": [{"role": "user", "content": "What is 3+4?"}],
+        "n": 1,
+        "stream": False,
+        "logprobs": False,
+        "top_logprobs": 0,
+        "max_context": 512,
+        "params": {"max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 1, "stop": []},
+    }
+    for key, value in fields.items():
+        if key in op["params"] or key == "ignore_eos":
+            op["params"][key] = value
+        else:
+            op[key] = value
+    futures.submit(rid, op, team_id=1, base=BASE)
+    return Op(fields=op)
+
+
+def drive(handler: Any, ops: list[Op]) -> None:
+    handler.admit(ops)
+    while handler.busy:
+        handler.step()
+
+
+def events_of(op: Op) -> list[dict[str, Any]]:
+    return [event for _id, event in events.read(op.rid, "0", 1)]
+
+
+def test_it_batches_requests_streams_some_and_ends_each_one(handler: Any) -> None:
+    streamed = chat_op(stream=True, n=2, max_tokens=20, ignore_eos=True)
+    whole = chat_op(stream=False, max_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=2)
+    drive(handler, [streamed, whole])
+
+    got = events_of(streamed)
+    assert got[0]["t"] == "start" and got[0]["prompt_tokens"] > 5
+    assert got[-1] == {
+        "t": "done",
+        "usage": {
+            "prompt_tokens": got[0]["prompt_tokens"],
+            "completion_tokens": 40,
+            "total_tokens": got[0]["prompt_tokens"] + 40,
+        },
+    }
+    deltas = [e for e in got if e["t"] == "delta"]
+    # A stream hears of its text step by step, not at the end.
+    assert len(deltas) > 5
+    ends = {e["i"]: e for e in got if e["t"] == "end"}
+    assert set(ends) == {0, 1} and all(e["finish_reason"] == "length" for e in ends.values())
+
+    # A request that does not stream gets its choice in one event, logprobs included.
+    kinds = [e["t"] for e in events_of(whole)]
+    assert kinds == ["start", "end", "done"]
+    (end,) = [e for e in events_of(whole) if e["t"] == "end"]
+    assert len(end["lp"]) == 20 and all(len(x["top_logprobs"]) == 2 for x in end["lp"])
+    for op in (streamed, whole):
+        assert futures.get(op.rid)["status"] == futures.DONE
+    assert futures.queued_samples(BASE) == 0
+
+
+def test_it_skips_a_request_whose_client_left_before_it_started(handler: Any) -> None:
+    gone, kept = chat_op(), chat_op()
+    events.cancel(gone.rid)
+    drive(handler, [gone, kept])
+    assert events_of(gone) == []
+    assert json.loads(futures.get(gone.rid)["json"]) == {"cancelled": True}
+    assert [e["t"] for e in events_of(kept)][-1] == "done"
+    assert futures.queued_samples(BASE) == 0
+
+
+def test_it_refuses_what_only_the_worker_can_judge_naming_the_parameter(handler: Any) -> None:
+    long = chat_op(max_tokens=600)
+    ids = chat_op(mode="completion", prompts=[[1, 2, 10**6]])
+    fine = chat_op()
+    drive(handler, [long, ids, fine])
+    (error,) = events_of(long)
+    assert error["t"] == "error" and error["status"] == 400 and error["param"] == "max_tokens"
+    (error,) = events_of(ids)
+    assert error["status"] == 400 and error["param"] == "prompt"
+    assert futures.get(long.rid)["status"] == futures.FAILED
+    # The others in the batch are not held back by them.
+    assert events_of(fine)[-1]["t"] == "done"
+    assert futures.queued_samples(BASE) == 0
+
+
+def test_it_asks_for_completions_on_a_model_without_a_chat_template(
+    tmp_path: Path, redis_client: Any, clean_tinker_keys: None
+) -> None:
+    from tinker_api.worker.chat import ChatHandler
+    from tinker_api.worker.policies import Policies
+    from tinker_api.worker.sampler_cache import SamplerCache
+    from training.engine import Engine
+
+    plain = Engine(str(_build_random_model(tmp_path / "plain")), device="cpu")
+    handler = ChatHandler(BASE, plain, Policies(plain), SamplerCache(plain))
+    chat, text = chat_op(), chat_op(mode="completion", prompts=["12+7="])
+    drive(handler, [chat, text])
+    (error,) = events_of(chat)
+    assert error["param"] == "model" and "/v1/completions" in error["message"]
+    assert events_of(text)[-1]["t"] == "done"
+
+
+def test_it_starts_a_request_that_arrives_while_others_decode(handler: Any) -> None:
+    def text_of(op: Op) -> str:
+        got = events_of(op)
+        return "".join(e["text"] for e in got if e["t"] == "end")
+
+    alone = chat_op(max_tokens=12, seed=8, ignore_eos=True)
+    drive(handler, [alone])
+
+    early = chat_op(stream=True, max_tokens=30, ignore_eos=True)
+    late = chat_op(max_tokens=12, seed=8, ignore_eos=True)
+    handler.admit([early])
+    for _ in range(5):
+        handler.step()
+    handler.admit([late])
+    steps = 0
+    while futures.get(late.rid)["status"] != futures.DONE:
+        handler.step()
+        steps += 1
+    # The late request ran beside the early one, and finished first: it did not wait.
+    assert steps == 12
+    assert [e["t"] for e in events_of(early)][-1] != "done"
+    while handler.busy:
+        handler.step()
+    assert [e["t"] for e in events_of(early)][-1] == "done"
+    # Joining mid-decode changed nothing it drew.
+    assert text_of(late) == text_of(alone)
+
+
+def test_it_holds_new_requests_until_the_batch_empties_when_rows_cannot_join(
+    handler: Any,
+) -> None:
+    # As with a model outside the fused decoder's architectures (its caches do not merge).
+    handler.batch.can_join = False
+    first, second = chat_op(max_tokens=6, ignore_eos=True), chat_op(max_tokens=6, ignore_eos=True)
+    handler.admit([first])
+    handler.step()
+    handler.admit([second])
+    assert events_of(second) == []
+    while futures.get(first.rid)["status"] != futures.DONE:
+        handler.step()
+    assert [e["t"] for e in events_of(second)] == []
+    while handler.busy:
+        handler.step()
+    assert [e["t"] for e in events_of(second)] == ["start", "end", "done"]
+    assert futures.queued_samples(BASE) == 0

@@ -1,0 +1,139 @@
+"""Continuous batching: rows that join a running batch, or leave it, change nobody's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.continuous import ContinuousBatch, Row
+from training.engine import Engine
+from training.sampler import generate
+from training.types import SamplingParams
+
+PROMPTS = [[5, 17, 40, 41, 99], [8, 120], [33, 34, 35, 36, 37, 38, 39, 60, 61], [250]]
+
+
+def _run(batch: ContinuousBatch, joins: dict[int, list[Row]]) -> dict[int, list[int]]:
+    """Step until the batch is empty, adding ``joins[k]`` before step k; tokens per row id."""
+    got: dict[int, list[int]] = {}
+    step = 0
+    while len(batch) or any(k >= step for k in joins):
+        for row in batch.add(joins.get(step, [])):
+            got[row] = []
+        for token in batch.step():
+            got[token.row].append(token.token)
+        step += 1
+    return got
+
+
+def _alone(model, tokenizer, row: Row) -> list[int]:
+    (seq,) = generate(
+        model,
+        tokenizer,
+        [row.prompt],
+        row.params,
+        sample_indices=[row.sample_index],
+        stop_on_eos=row.stop_on_eos,
+    )
+    return seq.tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_it_gives_rows_joining_mid_decode_the_tokens_they_get_alone(
+    tiny_model, tiny_tokenizer, temperature
+):
+    rows = [
+        Row(p, SamplingParams(max_tokens=m, temperature=temperature, seed=s), stop_on_eos=False)
+        for p, m, s in zip(PROMPTS, [12, 5, 9, 14], [1, 2, 3, 4], strict=True)
+    ]
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    assert batch.can_join
+    # Joined at the start, after 3 steps (a longer prompt than any cached row), and after
+    # 7 steps (a one-token prompt, shorter than the cache).
+    got = _run(batch, {0: rows[:2], 3: [rows[2]], 7: [rows[3]]})
+    for ident, row in enumerate(rows):
+        assert got[ident] == _alone(tiny_model, tiny_tokenizer, row), ident
+
+
+def test_it_matches_generate_for_n_samples_of_one_prompt(tiny_model, tiny_tokenizer):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=9)
+    rows = [Row(PROMPTS[0], params, sample_index=j, stop_on_eos=False) for j in range(3)]
+    seqs = generate(
+        tiny_model,
+        tiny_tokenizer,
+        [PROMPTS[0]] * 3,
+        params,
+        sample_indices=[0, 1, 2],
+        stop_on_eos=False,
+    )
+    got = _run(ContinuousBatch(tiny_model, tiny_tokenizer), {0: rows})
+    assert [got[i] for i in range(3)] == [s.tokens for s in seqs]
+    assert len({tuple(t) for t in got.values()}) == 3
+
+
+def test_it_drops_rows_without_changing_the_others(tiny_model, tiny_tokenizer):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5)
+    rows = [Row(p, params, stop_on_eos=False) for p in PROMPTS[:3]]
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    ids = batch.add(rows)
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    for step in range(10):
+        if step == 4:
+            batch.drop({ids[1]})
+        for token in batch.step():
+            got[token.row].append(token.token)
+    assert len(batch) == 0
+    assert len(got[ids[1]]) == 4
+    for i in (0, 2):
+        assert got[ids[i]] == _alone(tiny_model, tiny_tokenizer, rows[i])
+
+
+def test_it_stops_rows_and_routes_each_to_its_adapter(tiny_model, tiny_tokenizer):
+    engine = Engine(tiny_model, tokenizer=tiny_tokenizer)
+    policy = engine.create_policy(rank=4, alpha=8, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, b in policy.lora_weights.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    key = policy.adapter_key
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    base_alone = _alone(tiny_model, tiny_tokenizer, Row(PROMPTS[0], greedy, stop_on_eos=False))
+    (tuned,) = generate(
+        engine.model,
+        tiny_tokenizer,
+        [PROMPTS[0]],
+        greedy,
+        adapters=[key],
+        host=engine.host,
+        stop_on_eos=False,
+    )
+    assert tuned.tokens != base_alone
+    stop_at = tuned.tokens[3]
+    batch = ContinuousBatch(engine.model, tiny_tokenizer, engine.host)
+    got = _run(
+        batch,
+        {
+            0: [Row(PROMPTS[0], greedy, stop_on_eos=False)],
+            2: [
+                Row(PROMPTS[0], greedy, adapter=key, stop_on_eos=False),
+                Row(
+                    PROMPTS[0],
+                    SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_at,)),
+                    adapter=key,
+                    stop_on_eos=False,
+                    topk=2,
+                ),
+            ],
+        },
+    )
+    assert got[0] == base_alone
+    assert got[1] == tuned.tokens
+    assert got[2] == tuned.tokens[: tuned.tokens.index(stop_at) + 1]
+
+
+def test_it_refuses_rows_that_cannot_run(tiny_model, tiny_tokenizer):
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    with pytest.raises(ValueError, match="vocabulary"):
+        batch.check(Row([10**6], SamplingParams()))
+    with pytest.raises(ValueError, match="empty"):
+        batch.check(Row([], SamplingParams()))

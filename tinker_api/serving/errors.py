@@ -1,0 +1,62 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+The ``type`` follows the status as OpenAI's clients map it (``openai.BadRequestError`` for
+400, ``NotFoundError`` for 404 ...), and a 429 carries ``Retry-After``, which the official
+clients wait for before they retry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import JsonResponse
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "server_error",
+}
+# Seconds a client told "queue full" waits before retrying.
+RETRY_AFTER_SECONDS = 1
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JsonResponse:
+        response = JsonResponse(self.body(), status=self.status)
+        if self.status == 429:
+            response["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return response
+
+
+def model_not_found(name: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{name}` does not exist or you do not have access to it.",
+        "model",
+        "model_not_found",
+    )

@@ -1,0 +1,228 @@
+"""OpenAI request bodies: validated here, at the door, into the op a model worker runs.
+
+Field names, ranges and defaults follow OpenAI's API reference. What the engine cannot do
+(penalties, logit bias, JSON mode, ``echo``, ``suffix``, images) is refused with a 400 naming
+the parameter rather than silently ignored; fields that only describe the caller (``user``,
+``metadata``, ``store``) are accepted and ignored. An unknown field is a 400, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tinker_api.serving.errors import ApiError
+
+MAX_CHOICES = 64
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64
+# OpenAI's default for /v1/completions (chat's default is the worker's).
+COMPLETION_MAX_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class Message(BaseModel):
+    # Tool and function fields vary by template; the template reads what it knows.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _Common(_Strict):
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM's extension: decode to max_tokens through end-of-sequence tokens (benchmarks).
+    ignore_eos: bool = False
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+
+# pydantic names the union member it tried ("str", "list[int]", "StreamOptions") in an
+# error's location: not part of the parameter's name.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\])$")
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_MEMBER.match(str(part)):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _parse(model: type[_Common], body: bytes) -> Any:
+    try:
+        data = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param(tuple(first["loc"]))
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from exc
+        raise ApiError(400, f"{param}: {first['msg']}", param or None) from exc
+
+
+def _unsupported(req: _Common) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise ApiError(400, f"{name} is not supported by this server (only 0)", name)
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+
+
+def _stop(req: _Common) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} sequences", "stop")
+    if any(s == "" for s in stop):
+        raise ApiError(400, "stop: sequences must not be empty", "stop")
+    return stop
+
+
+def _params(req: _Common, max_tokens: int | None) -> dict[str, Any]:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    return {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "seed": req.seed,
+        "stop": _stop(req),
+        "ignore_eos": req.ignore_eos,
+    }
+
+
+def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            raise ApiError(
+                400,
+                f"content parts of type {kind!r} are not supported (this server is text-only)",
+                f"{where}.content[{i}]",
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+    req = _parse(ChatRequest, body)
+    _unsupported(req)
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise ApiError(
+            400, f"response_format {fmt!r} is not supported (only text)", "response_format"
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    both = req.max_tokens is not None and req.max_completion_tokens is not None
+    if both and req.max_tokens != req.max_completion_tokens:
+        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+    messages = []
+    for i, m in enumerate(req.messages):
+        rendered: dict[str, Any] = {k: v for k, v in m.model_dump().items() if v is not None}
+        # Chat templates know system, not OpenAI's newer "developer".
+        rendered["role"] = "system" if m.role == "developer" else m.role
+        rendered["content"] = _text(m.content, f"messages[{i}]")
+        messages.append(rendered)
+    op = {
+        "mode": "chat",
+        "messages": messages,
+        "tools": req.tools,
+        "n": req.n,
+        "stream": req.stream,
+        "logprobs": bool(req.logprobs),
+        "top_logprobs": int(req.top_logprobs or 0),
+        "params": _params(req, req.max_completion_tokens or req.max_tokens),
+    }
+    return req, op
+
+
+def completion_op(body: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
+    req = _parse(CompletionRequest, body)
+    _unsupported(req)
+    if req.echo:
+        raise ApiError(400, "echo is not supported by this server", "echo")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported by this server", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, "best_of is not supported by this server (only best_of = n)", "best_of")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    if len(prompts) * req.n > MAX_CHOICES or len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", "prompt")
+    op = {
+        "mode": "completion",
+        "prompts": prompts,
+        "n": req.n,
+        "stream": req.stream,
+        "logprobs": req.logprobs is not None,
+        "top_logprobs": int(req.logprobs or 0),
+        "params": _params(req, COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens),
+    }
+    return req, op

@@ -1,0 +1,263 @@
+"""``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``: OpenAI's API over the policies
+a team has trained.
+
+Plain Django views (not DRF) because OpenAI's clients expect its error shape everywhere, 401s
+included, and a stream of server-sent events. Authentication is the API key store's, as
+everywhere else: ``Authorization: Bearer otk_...``; a key sees its own team's policies.
+
+A request is queued for the model worker of its policy's base model, then answered from the
+events the worker publishes for it (``tinker_api.events``): a stream is relayed chunk by chunk
+as the worker decodes; a client that disconnects marks the request cancelled and the worker
+stops generating it. The response starts once the worker has rendered the prompt, so a
+prompt too long for the context is still a plain 400, streaming or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from functools import wraps
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework.exceptions import AuthenticationFailed
+
+from accounts.authentication import ApiKeyAuthentication
+from tinker_api import events, futures
+from tinker_api.services import serving
+from tinker_api.services.lookups import Caller
+from tinker_api.serving import params
+from tinker_api.serving.errors import ApiError, model_not_found
+from tinker_api.serving.replies import Answer, Kind, sse
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+# How long one read of the event stream blocks: also how often a stream sends a keep-alive
+# comment (through which a client that went away is noticed) while nothing is generated.
+POLL_MS = 1000
+# A request still queued this long asks again for a model worker (none may have had a block).
+NUDGE_SECONDS = 5.0
+# The longest a request waits with no event from its worker before it is given up.
+SILENCE_SECONDS = 600.0
+# How long a request counts against its team's concurrency limit at most, should its web
+# process die before releasing it.
+HOLD_SECONDS = 1800.0
+
+
+def endpoint(*methods: str) -> Callable[..., Any]:
+    def decorate(fn: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+        @csrf_exempt
+        @wraps(fn)
+        def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            try:
+                if request.method not in methods:
+                    raise ApiError(405, f"method {request.method} not allowed")
+                try:
+                    found = ApiKeyAuthentication().authenticate(request)  # type: ignore[arg-type]
+                except AuthenticationFailed as exc:
+                    raise ApiError(401, str(exc.detail), code="invalid_api_key") from exc
+                if found is None:
+                    raise ApiError(
+                        401,
+                        "You didn't provide an API key: send 'Authorization: Bearer otk_...'.",
+                    )
+                user, key = found
+                caller = Caller(team_id=key.team_id, user=user, key=key)
+                return fn(request, caller, *args, **kwargs)
+            except ApiError as exc:
+                return exc.response()
+
+        return view
+
+    return decorate
+
+
+def not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
+    return ApiError(404, f"unknown endpoint {request.method} {request.path}").response()
+
+
+def _model_object(served: serving.Served) -> dict[str, Any]:
+    return {
+        "id": served.name,
+        "object": "model",
+        "created": served.created,
+        "owned_by": served.owned_by,
+        "root": served.base.name,
+    }
+
+
+def _resolve(caller: Caller, name: str) -> serving.Served:
+    try:
+        return serving.resolve(caller, name)
+    except serving.UnknownModel as exc:
+        raise model_not_found(name) from exc
+    except serving.NotServable as exc:
+        raise ApiError(400, str(exc), "model", "model_not_servable") from exc
+
+
+@endpoint("GET")
+def models(request: HttpRequest, caller: Caller) -> HttpResponse:
+    data = [_model_object(s) for s in serving.list_models(caller)]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@endpoint("GET")
+def model(request: HttpRequest, caller: Caller, name: str) -> HttpResponse:
+    return JsonResponse(_model_object(_resolve(caller, name)))
+
+
+def _body(request: HttpRequest) -> bytes:
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    return request.read(MAX_BODY_BYTES + 1)
+
+
+def _error_of(event: dict[str, Any]) -> ApiError:
+    status = int(event.get("status") or 500)
+    code = "context_length_exceeded" if event.get("param") == "max_tokens" else None
+    message = str(event.get("message", "the request failed"))
+    return ApiError(status, message, event.get("param"), code)
+
+
+def _follow(request_id: str, served: serving.Served) -> Iterator[dict[str, Any] | None]:
+    """The request's events as they come, ending with ``done`` or ``error``; None for each
+    poll that brought nothing (a stream sends a keep-alive then)."""
+    after = "0"
+    heard = time.monotonic()
+    nudge = heard + NUDGE_SECONDS
+    while True:
+        got = events.read(request_id, after, POLL_MS)
+        if got:
+            heard = time.monotonic()
+            for ident, event in got:
+                after = ident
+                yield event
+                if event["t"] in ("done", "error"):
+                    return
+            continue
+        now = time.monotonic()
+        state = serving.state(request_id)
+        if state is None or state[0] in futures.FINAL:
+            message = state[1] if state and state[1] else "the request ended without an answer"
+            yield {"t": "error", "status": 503, "message": message}
+            return
+        if state[0] == futures.QUEUED and now > nudge:
+            nudge = now + NUDGE_SECONDS
+            serving.keep_worker(served)
+        if now - heard > SILENCE_SECONDS:
+            events.cancel(request_id)
+            yield {"t": "error", "status": 503, "message": "no model worker answered in time"}
+            return
+        yield None
+
+
+def _relay(
+    answer: Answer,
+    first: dict[str, Any],
+    rest: Iterator[dict[str, Any] | None],
+    rid: str,
+    release: Callable[[], None],
+) -> Iterator[bytes]:
+    finished = False
+    try:
+        for chunk in answer.chunks(first):
+            yield sse(chunk)
+        for event in rest:
+            if event is None:
+                yield b": keep-alive\n\n"
+                continue
+            if event["t"] == "error":
+                finished = True
+                yield sse(_error_of(event).body())
+                return
+            for chunk in answer.chunks(event):
+                yield sse(chunk)
+            if event["t"] == "done":
+                finished = True
+                yield sse("[DONE]")
+                return
+    finally:
+        # Closed before the end: the client went away (the server closes the iterator when a
+        # write fails), so the worker must stop generating for it.
+        if not finished:
+            events.cancel(rid)
+        events.discard(rid)
+        release()
+
+
+def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
+    body = _body(request)
+    req: params.ChatRequest | params.CompletionRequest
+    if kind == "chat":
+        req, op = params.chat_op(body)
+    else:
+        req, op = params.completion_op(body)
+    served = _resolve(caller, req.model)
+    try:
+        rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
+    except serving.Busy as exc:
+        raise ApiError(429, str(exc), code="rate_limit_exceeded") from exc
+    handed_over = False
+    try:
+        response = _answer(req, op, kind, served, rid, lambda: serving.finish(caller, rid))
+        handed_over = isinstance(response, StreamingHttpResponse)
+        return response
+    finally:
+        if not handed_over:
+            serving.finish(caller, rid)
+
+
+def _answer(
+    req: params.ChatRequest | params.CompletionRequest,
+    op: dict[str, Any],
+    kind: Kind,
+    served: serving.Served,
+    rid: str,
+    release: Callable[[], None],
+) -> HttpResponse:
+    answer = Answer(
+        kind,
+        rid,
+        req.model,
+        req.n * len(op.get("prompts") or [None]),
+        logprobs=bool(op["logprobs"]),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+    stream = _follow(rid, served)
+    first = next(e for e in stream if e is not None)
+    if first["t"] == "error":
+        events.discard(rid)
+        raise _error_of(first)
+    if req.stream:
+        response = StreamingHttpResponse(
+            _relay(answer, first, stream, rid, release), content_type="text/event-stream"
+        )
+        response["Cache-Control"] = "no-cache"
+        # Proxies (nginx) would otherwise buffer the stream into one late answer.
+        response["X-Accel-Buffering"] = "no"
+        return response
+    for event in stream:
+        if event is None:
+            continue
+        if event["t"] == "error":
+            events.discard(rid)
+            raise _error_of(event)
+        answer.absorb(event)
+        if event["t"] == "done":
+            break
+    events.discard(rid)
+    return JsonResponse(answer.body())
+
+
+@endpoint("POST")
+def chat_completions(request: HttpRequest, caller: Caller) -> HttpResponse:
+    return _serve(request, caller, "chat")
+
+
+@endpoint("POST")
+def completions(request: HttpRequest, caller: Caller) -> HttpResponse:
+    return _serve(request, caller, "completion")

@@ -1,0 +1,394 @@
+"""The OpenAI-style requests of the model worker (``/v1/chat/completions``, ``/v1/completions``).
+
+Chat requests share one continuous batch (``training.continuous``) across policies (the base
+model and any number of adapters: each row is routed to its own). The worker loop advances it
+one decode step per turn and admits the requests it has read since between two steps, so a
+request that arrives while others decode starts at once, and Tinker requests are read and
+run between steps too. The prompt is rendered here, with the base model's tokenizer and chat
+template, so the web process never loads one. After each step the new text of every
+streaming request goes to its event stream (``tinker_api.events``) and the cancel keys of the
+running requests are read in the same round trip: a request whose client went away leaves
+the batch at once, and its place in the queue limit is freed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinker_api import events, futures
+from tinker_api.worker.requests import Op, RequestError
+from tinker_api.worker.sampler_cache import SamplerCache
+from tinker_api.worker.textstream import TextStream
+from training.continuous import ContinuousBatch, Row, StepToken
+from training.engine import Engine
+from training.policy import Policy
+from training.sampler import default_stop_ids
+from training.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# The default completion length when a request names none (OpenAI's is "the rest of the
+# context", which on a long-context model would hold the batch for minutes).
+DEFAULT_MAX_TOKENS = 256
+
+
+class BadRequest(RequestError):
+    """A request the client must change: answered 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    text: TextStream
+    limit: int
+    """Its max_tokens: a row that ends before it stopped (EOS, a stop string)."""
+    finished: bool = False
+    tokens: int = 0
+    # Text and logprob entries not yet published (all of them, for a request that does not
+    # stream: it gets them with the choice's end).
+    unsent: str = ""
+    # Logprob entries not yet published (all of them, for a request that does not stream).
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Running:
+    op: Op
+    prompt_tokens: int
+    choices: list[Choice]
+    stream: bool
+    want_logprobs: bool
+    ended: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.op.rid
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+
+class ChatHandler:
+    def __init__(
+        self, base: str, engine: Engine, policies: Mapping[str, Policy], samplers: SamplerCache
+    ) -> None:
+        self.base = base
+        self.engine = engine
+        self.policies = policies
+        self.samplers = samplers
+        self.tokenizer: Any = engine.tokenizer
+        self.eos = set(default_stop_ids(engine.model, engine.tokenizer))
+        self._token_text: dict[int, str] = {}
+        self.batch = ContinuousBatch(engine.model, engine.tokenizer, engine.host)
+        # Row id -> the request and choice it generates; the requests in the batch; requests
+        # read while a batch that cannot take new rows runs (a model without a joining
+        # decoder): they start when it empties.
+        self.owner: dict[int, tuple[Running, Choice]] = {}
+        self.runs: list[Running] = []
+        self.waiting: list[Op] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.runs) or bool(self.waiting)
+
+    # ------------------------------------------------------------------ prompts
+
+    def _context(self, op: Op) -> int:
+        model_config: Any = self.engine.model.config
+        limit = int(op.fields.get("max_context") or 0)
+        positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+        return min(x for x in (limit, positions) if x) if (limit or positions) else 0
+
+    def _prompts(self, op: Op) -> list[list[int]]:
+        f = op.fields
+        model_config: Any = self.engine.model.config
+        vocab = int(model_config.vocab_size)
+        if f["mode"] == "chat":
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise BadRequest(
+                    f"base model {self.base} has no chat template; use /v1/completions", "model"
+                )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    f["messages"],
+                    tools=f.get("tools") or None,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+            except Exception as exc:
+                raise BadRequest(
+                    f"the chat template refused the messages: {exc}", "messages"
+                ) from exc
+            prompts = [list(self.tokenizer.encode(text, add_special_tokens=False))]
+            where = "messages"
+        else:
+            prompts = []
+            for p in f["prompts"]:
+                if isinstance(p, str):
+                    prompts.append(list(self.tokenizer.encode(p)))
+                else:
+                    ids = [int(t) for t in p]
+                    if any(not 0 <= t < vocab for t in ids):
+                        raise BadRequest(f"token ids must lie in [0, {vocab})", "prompt")
+                    prompts.append(ids)
+            where = "prompt"
+        if any(not p for p in prompts):
+            raise BadRequest("the prompt renders to no tokens", where)
+        context = self._context(op)
+        asked = f["params"].get("max_tokens")
+        for p in prompts:
+            room = context - len(p) if context else None
+            if room is not None and room < 1:
+                raise BadRequest(
+                    f"the prompt ({len(p)} tokens) fills {self.base}'s context of {context}", where
+                )
+            if asked is not None and room is not None and asked > room:
+                raise BadRequest(
+                    f"prompt ({len(p)} tokens) + max_tokens ({asked}) exceed {self.base}'s "
+                    f"context of {context} tokens",
+                    "max_tokens",
+                )
+        return prompts
+
+    def _max_tokens(self, op: Op, prompt: list[int]) -> int:
+        asked = op.fields["params"].get("max_tokens")
+        if asked is not None:
+            return int(asked)
+        context = self._context(op)
+        room = context - len(prompt) if context else DEFAULT_MAX_TOKENS
+        return max(1, min(DEFAULT_MAX_TOKENS, room))
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _text_of(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            self._token_text[token] = text
+        return text
+
+    def _entry(self, step: StepToken, top: int) -> dict[str, Any]:
+        text = self._text_of(step.token)
+        entry: dict[str, Any] = {
+            "token": text,
+            "logprob": step.logprob,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [],
+        }
+        for token, logprob in (step.topk or [])[:top]:
+            alt = self._text_of(int(token))
+            entry["top_logprobs"].append(
+                {"token": alt, "logprob": logprob, "bytes": list(alt.encode("utf-8"))}
+            )
+        return entry
+
+    # ------------------------------------------------------------------ the batch
+
+    def _end(self, run: Running, outcome: dict[str, Any]) -> None:
+        """Complete ``run``'s future and free its place in the queue limit, once."""
+        if run.ended:
+            return
+        run.ended = True
+        futures.complete(run.rid, json_body=json.dumps(outcome).encode())
+        futures.samples_answered(self.base, 1)
+
+    def _refuse(self, op: Op, exc: Exception) -> None:
+        if isinstance(exc, BadRequest):
+            event = {"t": "error", "status": 400, "message": str(exc), "param": exc.param}
+        elif isinstance(exc, RequestError):
+            event = {"t": "error", "status": 400, "message": str(exc), "param": "model"}
+        else:
+            log.exception("chat request %s failed", op.rid)
+            event = {"t": "error", "status": 500, "message": f"{type(exc).__name__}: {exc}"}
+        events.publish([(op.rid, event)])
+        futures.fail(op.rid, str(event["message"]), "user" if event["status"] == 400 else "server")
+        futures.samples_answered(self.base, 1)
+
+    def admit(self, ops: list[Op]) -> None:
+        """Put the requests ``ops`` in the batch (or refuse them, each alone)."""
+        if len(self.batch) and not self.batch.can_join:
+            self.waiting.extend(ops)
+            return
+        ops, self.waiting = self.waiting + ops, []
+        gone = events.cancelled(op.rid for op in ops)
+        admitted: list[tuple[Running, list[Row]]] = []
+        for op in ops:
+            if op.rid in gone:
+                futures.complete(op.rid, json_body=b'{"cancelled": true}')
+                futures.samples_answered(self.base, 1)
+                continue
+            try:
+                admitted.append(self._prepare(op))
+            except Exception as exc:
+                self._refuse(op, exc)
+        if not admitted:
+            return
+        rows = [row for _run, run_rows in admitted for row in run_rows]
+        try:
+            idents = self.batch.add(rows)
+        except Exception as exc:
+            log.exception("chat prefill failed")
+            for run, _rows in admitted:
+                self._refuse(run.op, exc)
+            return
+        choices = [(run, choice) for run, _rows in admitted for choice in run.choices]
+        self.owner.update(zip(idents, choices, strict=True))
+        self.runs.extend(run for run, _rows in admitted)
+        events.publish(
+            [(run.rid, {"t": "start", "prompt_tokens": run.prompt_tokens}) for run, _ in admitted]
+        )
+
+    def _prepare(self, op: Op) -> tuple[Running, list[Row]]:
+        f = op.fields
+        key = self.samplers.key(f["target"], self.policies)
+        prompts = self._prompts(op)
+        sp = f["params"]
+        stop = tuple(str(s) for s in sp.get("stop") or ())
+        top = int(f.get("top_logprobs") or 0)
+        n = int(f["n"])
+        run = Running(
+            op=op,
+            prompt_tokens=sum(len(p) for p in prompts),
+            choices=[],
+            stream=bool(f.get("stream")),
+            want_logprobs=bool(f.get("logprobs")),
+        )
+        rows = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(
+                max_tokens=self._max_tokens(op, prompt),
+                temperature=float(sp["temperature"]),
+                top_p=float(sp["top_p"]),
+                seed=sp.get("seed"),
+                stop=stop,
+            )
+            for j in range(n):
+                eos = not sp.get("ignore_eos")
+                row = Row(prompt, params, key, sample_index=j, stop_on_eos=eos, topk=top)
+                try:
+                    self.batch.check(row)
+                except ValueError as exc:
+                    where = "messages" if f["mode"] == "chat" else "prompt"
+                    raise BadRequest(str(exc), where) from exc
+                rows.append(row)
+                run.choices.append(
+                    Choice(
+                        index=i * n + j,
+                        text=TextStream(self.tokenizer, stop),
+                        limit=params.max_tokens,
+                    )
+                )
+        return run, rows
+
+    def step(self) -> None:
+        """One decode step of the batch, published; finished and abandoned requests leave."""
+        if not len(self.batch):
+            self._forget()
+            if self.waiting:
+                self.admit([])
+            return
+        try:
+            steps = self.batch.step()
+            drop = self._on_step(steps)
+        except Exception as exc:
+            log.exception("chat batch failed")
+            self.fail_all(exc)
+            return
+        if drop:
+            self.batch.drop(drop)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Stop tracking the requests that have ended and their rows."""
+        self.runs = [run for run in self.runs if not run.ended]
+        live = {id(run) for run in self.runs}
+        self.owner = {k: v for k, v in self.owner.items() if id(v[0]) in live}
+        if not self.runs and len(self.batch):
+            self.batch.drop({row.ident for row in self.batch.rows})
+
+    def fail_all(self, exc: Exception | str) -> None:
+        """End every request in the batch or waiting for it with an error (the worker stops,
+        or the batch failed)."""
+        error = exc if isinstance(exc, Exception) else RuntimeError(exc)
+        for run in self.runs:
+            if not run.ended:
+                run.ended = True
+                self._refuse(run.op, error)
+        for op in self.waiting:
+            self._refuse(op, error)
+        self.waiting = []
+        self.runs, self.owner = [], {}
+        self.batch = ContinuousBatch(self.engine.model, self.engine.tokenizer, self.engine.host)
+
+    def _on_step(self, steps: list[StepToken]) -> set[int]:
+        """Publish what ``steps`` produced; the rows to drop (cut at a stop string, or their
+        client gone)."""
+        owner, runs = self.owner, self.runs
+        deltas: dict[str, list[dict[str, Any]]] = {}
+        ends: list[tuple[str, dict[str, Any]]] = []
+        finished_runs: list[Running] = []
+        drop: set[int] = set()
+        for step in steps:
+            run, choice = owner[step.row]
+            if run.ended or choice.finished:
+                continue
+            choice.tokens += 1
+            choice.unsent += choice.text.push(step.token)
+            if run.want_logprobs and not choice.text.stopped:
+                choice.logprobs.append(self._entry(step, int(run.op.fields.get("top_logprobs", 0))))
+            if step.finished or choice.text.stopped:
+                if not step.finished:
+                    # Cut at a stop string the batch has not seen yet (it looks at a window
+                    # of raw tokens): the row leaves the batch here.
+                    drop.add(step.row)
+                choice.finished = True
+                text = choice.unsent + choice.text.finish()
+                at_eos = step.token in self.eos and not run.op.fields["params"].get("ignore_eos")
+                stopped = choice.text.stopped or at_eos or choice.tokens < choice.limit
+                ends.append(
+                    (
+                        run.rid,
+                        {
+                            "t": "end",
+                            "i": choice.index,
+                            "text": text,
+                            "lp": choice.logprobs,
+                            "finish_reason": "stop" if stopped else "length",
+                        },
+                    )
+                )
+                choice.unsent, choice.logprobs = "", []
+                if all(c.finished for c in run.choices):
+                    finished_runs.append(run)
+            elif run.stream and (choice.unsent or choice.logprobs):
+                deltas.setdefault(run.rid, []).append(
+                    {"i": choice.index, "text": choice.unsent, "lp": choice.logprobs}
+                )
+                choice.unsent, choice.logprobs = "", []
+        # Deltas before ends: a client reads a choice's last text before its finish reason.
+        ordered = [(rid, {"t": "delta", "c": d}) for rid, d in deltas.items()] + ends
+        ordered += [(run.rid, {"t": "done", "usage": run.usage()}) for run in finished_runs]
+        watch = [run.rid for run in runs if not run.ended and run not in finished_runs]
+        gone = events.publish(ordered, watch=watch)
+        for run in finished_runs:
+            self._end(run, {"usage": run.usage()})
+        for run in runs:
+            if run.rid in gone and not run.ended:
+                log.info("chat request %s: the client went away, generation stopped", run.rid)
+                self._end(run, {"cancelled": True, "usage": run.usage()})
+        if gone:
+            drop |= {row for row, (run, _c) in owner.items() if run.rid in gone}
+        return drop

@@ -1,0 +1,62 @@
+"""Text of a sequence as it is decoded, token by token, cut at the first stop string.
+
+A delta is only released once it is final: a trailing partial UTF-8 character (the byte-level
+decoder shows it as U+FFFD) waits for its next byte, and a tail that could still become a stop
+string waits until it either does (and is cut, as OpenAI's ``stop`` removes it) or cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.tokens: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        """A stop string appeared: nothing after it is text."""
+
+    def push(self, token: int) -> str:
+        """Add one token; the text that became final with it."""
+        self.tokens.append(int(token))
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """The sequence ended: whatever was held back."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            self.stopped = True
+            end = min(cuts)
+        elif final:
+            end = len(text)
+        else:
+            end = len(text)
+            while end > self.sent and text[end - 1] == REPLACEMENT:
+                end -= 1
+            end -= self._held(text[:end])
+        if end <= self.sent:
+            return ""
+        delta = text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
