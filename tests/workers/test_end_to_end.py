@@ -151,3 +151,37 @@ def test_it_recovers_from_a_lost_worker_with_nothing_but_beat(
         5,
         "the lease records",
     )
+
+
+def test_a_smoke_gang_spans_two_workers_nodes_and_frees_both_when_its_leader_dies(
+    start_worker: Any, owner_client: APIClient, clean_control_plane: Any
+) -> None:
+    """A gang across two real workers' nodes: one lease holds a slot on each; the leader's
+    worker runs the job; when the leader dies, the whole lease expires, every member's slot
+    is freed, and a new leader worker finishes the requeued job."""
+    table = GpuLockTable(clean_control_plane)
+    leader = start_worker(node="gang-a", slots=1)
+    start_worker(node="gang-b", slots=1)
+    job_id = submit(owner_client, smoke_steps=6, smoke_step_seconds=0.4, gpus=2, gpus_per_node=1)
+    wait_for(lambda: Job.objects.filter(pk=job_id, current_step__gte=1).exists(), 30, "step 1")
+    lease = table.lease_of(job_id)
+    assert lease is not None and lease.is_gang
+    assert sorted(node for node, _ in lease.blocks) == ["gang-a", "gang-b"]
+    assert sorted(Job.objects.get(pk=job_id).gpus_held) == ["gang-a:0", "gang-b:0"]
+    assert held_gpus(table, "gang-a") == {0: job_id} and held_gpus(table, "gang-b") == {0: job_id}
+
+    leader.kill()
+    wait_for(lambda: table.expired(), TEST_LEASE_SECONDS + 3, "the gang's lease to expire")
+    result = reap()
+    assert job_id in result["requeued"]
+    assert held_gpus(table, "gang-a") == {} and held_gpus(table, "gang-b") == {}
+
+    start_worker(node="gang-a", slots=1)
+    wait_for(lambda: state_of(job_id) in {"SUCCEEDED", "FAILED"}, 40, "the requeued gang")
+    job = Job.objects.get(pk=job_id)
+    assert (job.state, job.attempt) == (JobState.SUCCEEDED, 2), job.error_message
+    wait_for(
+        lambda: held_gpus(table, "gang-a") == {} and held_gpus(table, "gang-b") == {},
+        5,
+        "both members' slots to be released",
+    )
