@@ -23,37 +23,22 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.jobs import QuietContext
 
-class Recorder:
-    """A LoopContext without a service: keeps every step's metrics."""
+
+class Recorder(QuietContext):
+    """bench/jobs.py's context without a service, keeping every step's metrics."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.attempt = 1
+        super().__init__(workdir)
         self.metrics: dict[int, dict[str, float]] = {}
-
-    def cancelled(self) -> bool:
-        return False
-
-    def heartbeat(self, step: int | None = None, *, force: bool = False) -> None:
-        pass
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.metrics.setdefault(step, {}).update(metrics)
-
-    def flush_metrics(self) -> None:
-        pass
-
-    def discard_metrics_after(self, step: int) -> None:
-        pass
-
-    def event(self, message: str, data: Mapping[str, Any] | None = None) -> None:
-        pass
 
 
 def run(ahead: int, steps: int, workdir: Path) -> dict[str, float]:

@@ -1,6 +1,10 @@
-"""A tiny byte-level tokenizer with a ChatML chat template, built in memory (no files, no hub)."""
+"""A tiny byte-level tokenizer with a ChatML chat template, built in memory (no files, no hub),
+and a real env worker for the modules that step episodes through the `env` queue."""
 
 from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -46,3 +50,17 @@ def renderer(chatml_tokenizer):
     from environments.renderer import Renderer
 
     return Renderer(chatml_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Celery worker on the `env` queue for one test module; yields its node name."""
+    import redis
+
+    from tests.fixtures.workers import env_worker_process
+
+    redis.Redis.from_url(redis_url).delete("env")
+    name = f"envtest-{uuid.uuid4().hex[:8]}"
+    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
+    with env_worker_process(redis_url, log_path, name):
+        yield name

@@ -6,26 +6,11 @@ this test needs neither the database nor `environments` in INSTALLED_APPS.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import pytest
 
 from environments.registry import group_specs
 from environments.renderer import Renderer
 from environments.rollouts import PolicyInput, run_group
-from tests.fixtures.workers import env_worker_process
-
-
-@pytest.fixture(scope="module")
-def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import redis
-
-    redis.Redis.from_url(redis_url).delete("env")
-    name = f"envtest-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
-    with env_worker_process(redis_url, log_path, name):
-        yield name
 
 
 def _scripted(env: str):

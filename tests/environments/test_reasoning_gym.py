@@ -8,8 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from environments.registry import (
 )
 from environments.renderer import Renderer
 from environments.rollouts import PolicyInput, run_group
-from tests.fixtures.workers import env_worker_process
 
 pytest.importorskip("reasoning_gym")
 
@@ -253,17 +251,6 @@ def test_it_lists_the_generators_in_its_description() -> None:
     assert props["partial_credit"]["default"] is False
     assert "below 1.0" in props["partial_credit"]["description"]
     assert (info["data_source"], info["interaction"]) == ("generator", "single_turn")
-
-
-@pytest.fixture(scope="module")
-def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import redis
-
-    redis.Redis.from_url(redis_url).delete("env")
-    name = f"rgtest-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
-    with env_worker_process(redis_url, log_path, name):
-        yield name
 
 
 def test_it_scores_the_same_on_an_env_worker_as_inline(env_worker: str, renderer: Renderer) -> None:

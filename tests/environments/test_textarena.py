@@ -8,8 +8,7 @@ from __future__ import annotations
 import pickle
 import random
 import re
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,7 +32,6 @@ from environments.registry import (
 from environments.renderer import Renderer
 from environments.rollouts import PolicyInput, run_group
 from environments.types import Episode, GroupBuilder, Message
-from tests.fixtures.workers import env_worker_process
 
 pytest.importorskip("textarena")
 
@@ -337,17 +335,6 @@ def test_it_describes_the_allowed_games() -> None:
     )
     assert (info["data_source"], info["interaction"]) == ("generator", "multi_turn")
     assert "random legal moves" in info["config_schema"]["properties"]["opponent"]["description"]
-
-
-@pytest.fixture(scope="module")
-def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import redis
-
-    redis.Redis.from_url(redis_url).delete("env")
-    name = f"tatest-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
-    with env_worker_process(redis_url, log_path, name):
-        yield name
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ from environments.registry import (
 from environments.renderer import Renderer
 from environments.rollouts import PolicyInput, run_group
 from environments.types import Episode, GroupBuilder, Message
-from tests.fixtures.workers import env_worker_process
 
 pytest.importorskip("textworld")
 
@@ -344,17 +343,6 @@ def test_it_describes_its_settings_and_dataset() -> None:
     props = info["config_schema"]["properties"]
     assert "accepts right now" in props["show_admissible"]["description"]
     assert props["max_turns"]["default"] == 8
-
-
-@pytest.fixture(scope="module")
-def env_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import redis
-
-    redis.Redis.from_url(redis_url).delete("env")
-    name = f"twtest-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path_factory.mktemp("envworker") / "worker.log"
-    with env_worker_process(redis_url, log_path, name):
-        yield name
 
 
 def by_intro(rows: list[Row], **config: Any) -> Callable[[PolicyInput], str]:
