@@ -25,8 +25,6 @@ from typing import IO, Any
 
 from django.conf import settings
 
-from training import peft_io
-
 CHECKPOINT_INDEX = "checkpoints.jsonl"
 CHECKPOINT_STATE = "state.pt"
 # Where the verl runner points verl's trainer.default_local_dir, relative to the workdir.
@@ -37,6 +35,9 @@ ARTIFACT_DIRS = {"adapter": "adapter", "model": "model"}
 ARTIFACT_FILES = {"summary.json": "summary"}
 # Served from the database (the job's metric rows), not from the workdir.
 METRICS_ARTIFACT = "metrics.jsonl"
+# peft's weights file (training.peft_io writes it): an adapter exists once this file does.
+# Named here rather than imported, so that the web process never imports the training core.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def workdir(job_id: Any) -> Path:
@@ -141,7 +142,7 @@ def checkpoint_download(job_id: Any, name: str) -> Path | None:
 def adapter_dir(job_id: Any) -> Path | None:
     """The job's final PEFT adapter directory, once the run has exported it."""
     path = workdir(job_id) / "adapter"
-    return path if peft_io.weights_path(path).is_file() else None
+    return path if (path / ADAPTER_WEIGHTS).is_file() else None
 
 
 def artifacts(job_id: Any) -> list[dict[str, Any]]:

@@ -182,7 +182,8 @@ class SampleMessageSerializer(serializers.Serializer):
 
 
 class SampleRequestSerializer(serializers.Serializer):
-    """Bounded on purpose: the tiny-model sampler runs inside the web process."""
+    """Bounded on purpose: quick looks at a policy, answered by a model worker between the
+    requests it serves (``/v1/completions`` is the way to heavier generation)."""
 
     prompt = serializers.CharField(
         required=False, max_length=20_000, trim_whitespace=False, help_text="Raw text to continue."

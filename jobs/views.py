@@ -238,7 +238,9 @@ class JobViewSet(
     @extend_schema(request=SampleRequestSerializer, responses={200: SampleResponseSerializer})
     @action(detail=True, methods=["post"], pagination_class=None, filterset_class=None)
     def sample(self, request: Request, pk: str | None = None) -> Response:
-        """Generate from the job's final adapter (bounded: see jobs.sampling); 409 without one."""
+        """Generate from the job's final adapter on the model worker of its base model
+        (bounded: see jobs.sampling); 409 without one, 429 while the team or the queue is
+        full, 503 when no model worker answers."""
         job = self.get_object()
         params = SampleRequestSerializer(data=request.data)
         params.is_valid(raise_exception=True)
@@ -257,6 +259,14 @@ class JobViewSet(
             raise Conflict(str(exc)) from exc
         except sampling.BadSampleRequest as exc:
             raise ValidationError({exc.field: [exc.reason]}) from exc
+        except sampling.SamplerBusy as exc:
+            return Response(
+                {"detail": str(exc)},
+                status=status.HTTP_429_TOO_MANY_REQUESTS,
+                headers={"Retry-After": "1"},
+            )
+        except sampling.SamplerUnavailable as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
         return Response({"job": str(job.pk), "samples": samples})
 
     @extend_schema(

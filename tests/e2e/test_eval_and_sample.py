@@ -3,7 +3,9 @@
 An eval job runs a snapshot through the env with training switched off, on the same prompts
 with the same renderer and env code as the training run's own evaluation: evaluating a
 finished job's final adapter reproduces that job's last evaluation transcript for transcript,
-and evaluating the base model reproduces its step-0 evaluation.
+and evaluating the base model reproduces its step-0 evaluation. The sample endpoint is answered
+by the model worker of the tiny base model (started by the same Celery worker once the jobs
+are done), not by the web process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rest_framework.test import APIClient
 
 from jobs.models import JobKind, JobState
 from tests.e2e.test_managed_training import finished, rl_spec, series, submit
+from tests.tinker_api.conftest import clean_tinker_keys, sdk_worker_env  # noqa: F401
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.django_db(transaction=True)]
 
@@ -41,7 +44,10 @@ def test_it_evaluates_snapshots_and_samples_from_a_finished_jobs_adapter(
     outsider_client: APIClient,
     addition_dataset: str,
     tiny_model_dir: Path,
+    clean_tinker_keys: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    sdk_worker_env(monkeypatch)
     worker = trainer()
     train_spec = rl_spec(
         addition_dataset, steps=2, eval_every=2, eval_examples=8, checkpoint_every=1
@@ -74,7 +80,7 @@ def test_it_evaluates_snapshots_and_samples_from_a_finished_jobs_adapter(
     assert {"eval/transcripts.jsonl", "summary.json", "metrics.jsonl"} <= names
     assert "adapter" not in names
 
-    # Sampling from the trained adapter, in the web process.
+    # Sampling from the trained adapter, on the model worker.
     url = f"/api/v1/jobs/{train_id}/sample"
     question = download_lines(owner_client, train_id, "eval/step-000002.jsonl")[0]
     messages = question["turns"][0]["observation"]

@@ -2,8 +2,9 @@
 
 A short RL job on the tiny model runs on a real Celery worker; Chromium (Playwright) opens its
 page, reads the eval table, generates from the adapter through the htmx sample box (the page
-is not reloaded: only the box is swapped) and saves ``job-detail.png`` for the README when
-``$OPENTINKER_SCREENSHOT_DIR`` is set.
+is not reloaded: only the box is swapped; the tiny model's model worker, started by the same
+Celery worker, answers), reads the "Use this model" snippet and saves ``job-detail.png`` for
+the README when ``$OPENTINKER_SCREENSHOT_DIR`` is set.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures)
     trainer,
 )
 from tests.e2e.test_managed_training import finished, rl_spec, submit
+from tests.tinker_api.conftest import clean_tinker_keys, sdk_worker_env  # noqa: F401
 from tests.web.test_browser import CHROMIUM, browser, shots  # noqa: F401  (fixtures)
 
 pytestmark = [
@@ -45,7 +47,10 @@ def test_it_shows_eval_results_and_samples_with_htmx_in_a_browser(
     owner_client: APIClient,
     login: Callable[[Any], Client],
     owner: Any,
+    clean_tinker_keys: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    sdk_worker_env(monkeypatch)
     worker = trainer()
     spec = rl_spec(
         addition_dataset,
@@ -102,6 +107,10 @@ def test_it_shows_eval_results_and_samples_with_htmx_in_a_browser(
     ).json()["samples"]
     # inner_text drops trailing whitespace the way a browser renders it.
     assert [t.rstrip() for t in texts] == [s["text"].rstrip() for s in api]
+    # How to call this policy elsewhere: its job:<id> name on this server's OpenAI endpoint.
+    snippet = page.locator("#use-model-python").inner_text()
+    assert f'base_url="{base}/v1"' in snippet and f'model="job:{job_id}"' in snippet
+    assert f"curl {base}/v1/chat/completions" in page.locator("#use-model-curl").inner_text()
     assert not js_errors, js_errors
     page.screenshot(path=str(shots / "job-detail.png"), full_page=True)
     context.close()

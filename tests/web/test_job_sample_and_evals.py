@@ -2,9 +2,11 @@
 
 One short RL job on the tiny model runs on a real Celery worker (steps 0-2 evaluated, a PEFT
 adapter exported); the page must show its eval metrics per step with links to the transcripts
-the runner wrote, and the sample box must generate through ``jobs.sampling`` exactly what the
-REST API's sample endpoint generates, with htmx (fragment) and without JavaScript (full page,
-CSRF enforced), refuse bad parameters beside the fields, and hide the job from other teams.
+the runner wrote, and the sample box must generate exactly what the REST API's sample endpoint
+generates (both answered by the model worker of the tiny base model, which the same Celery
+worker starts: this process loads no model), with htmx (fragment) and without JavaScript (full
+page, CSRF enforced), refuse bad parameters beside the fields, and hide the job from other
+teams.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures)
     trainer,
 )
 from tests.e2e.test_managed_training import finished, rl_spec, submit
+from tests.tinker_api.conftest import clean_tinker_keys, sdk_worker_env  # noqa: F401
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
@@ -53,7 +56,10 @@ def test_it_shows_eval_results_and_samples_from_a_finished_rl_job(
     owner: Any,
     outsider: Any,
     other_team: Team,
+    clean_tinker_keys: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    sdk_worker_env(monkeypatch)
     worker = trainer()
     spec = rl_spec(
         addition_dataset,
@@ -152,7 +158,8 @@ def test_it_shows_eval_results_and_samples_from_a_finished_rl_job(
     assert "n" in bad.context["sample_form"].errors and _samples(bad.content.decode()) == []
     too_long = client.post(sample_url, chat | {"prompt": "1" * 5000, "max_tokens": "256"})
     assert too_long.status_code == 400
-    assert "exceed the context" in too_long.context["sample_form"].errors["prompt"][0]
+    # The model worker measured the prompt with the base model's tokenizer.
+    assert "context of 1024" in too_long.context["sample_form"].errors["prompt"][0]
     assert 'id="id_prompt_errors"' in too_long.content.decode()
     in_box = client.post(sample_url, params | {"temperature": "-1"}, **HTMX)
     assert in_box.status_code == 200 and 'id="id_temperature_errors"' in in_box.content.decode()
@@ -231,3 +238,135 @@ def test_it_links_an_eval_jobs_transcript_and_skips_missing_ones(
 
     rows = client.get(reverse("web:job_detail", args=[train.pk])).context["evals"]["rows"]
     assert [(r["step"], r["values"], r["transcript"]) for r in rows] == [(4, [0.75], None)]
+
+
+def _finish_with_adapter(job: Any) -> None:
+    """What a finished LoRA run leaves: the job SUCCEEDED and its exported adapter's files."""
+    from jobs import artifacts
+    from jobs.models import Job
+
+    Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED)
+    adapter = artifacts.workdir(job.pk) / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / artifacts.ADAPTER_WEIGHTS).write_bytes(b"")
+
+
+@pytest.mark.django_db
+def test_it_shows_how_to_call_a_finished_jobs_policy_on_the_openai_endpoint(
+    login: Callable[[Any], Client],
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+) -> None:
+    import html as html_lib
+
+    done = submit(team, owner, name="with-adapter")
+    _finish_with_adapter(done)
+    queued = submit(team, owner, name="still-queued")
+    client = login(owner)
+
+    page = client.get(reverse("web:job_detail", args=[done.pk]))
+    assert page.context["use_model"] == {
+        "model": f"job:{done.pk}",
+        "base_url": "http://testserver/v1",
+    }
+    text = html_lib.unescape(page.content.decode())
+    assert 'id="use-model"' in text
+    curl = re.search(r'<pre[^>]*id="use-model-curl"[^>]*>(.*?)</pre>', text, flags=re.DOTALL)
+    assert curl
+    assert curl.group(1).startswith("curl http://testserver/v1/chat/completions")
+    assert f'"model": "job:{done.pk}"' in curl.group(1)
+    assert "Authorization: Bearer $OTK" in curl.group(1)
+    python = re.search(r'<pre[^>]*id="use-model-python"[^>]*>(.*?)</pre>', text, flags=re.DOTALL)
+    assert python
+    assert 'OpenAI(base_url="http://testserver/v1"' in python.group(1)
+    assert f'model="job:{done.pk}"' in python.group(1)
+    # The snippet is Python that parses (a template slip would show as a syntax error).
+    compile(python.group(1), "snippet.py", "exec")
+
+    # No adapter, no snippet: nothing could answer it yet.
+    waiting = client.get(reverse("web:job_detail", args=[queued.pk]))
+    assert waiting.context["use_model"] is None
+    assert 'id="use-model"' not in waiting.content.decode()
+    # The job page's live refresh (htmx) returns the status fragment only.
+    fragment = client.get(reverse("web:job_detail", args=[done.pk]), HTTP_HX_REQUEST="true")
+    assert 'id="use-model"' not in fragment.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_answers_429_when_the_teams_requests_are_all_in_flight(
+    login: Callable[[Any], Client],
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    owner_client: APIClient,
+    tiny_base_model: Any,
+    clean_control_plane: Any,
+    settings: Any,
+) -> None:
+    """The sample endpoint shares the team's limit of requests in flight with /v1/ (both run on
+    the model workers): with every place taken it refuses at once, queueing nothing."""
+    from tinker_api import events, futures
+
+    settings.OPENTINKER_OPENAI_TEAM_CONCURRENCY = 1
+    job = submit(team, owner, name="busy")
+    _finish_with_adapter(job)
+    assert events.take_slot(team.pk, "req-someone-else", 1, 60)
+    try:
+        queued = futures.queued_samples("tiny")
+        api = owner_client.post(f"/api/v1/jobs/{job.pk}/sample", {"prompt": "1+1="}, format="json")
+        assert api.status_code == 429, api.content
+        assert api["Retry-After"] == "1"
+        assert "OPENTINKER_OPENAI_TEAM_CONCURRENCY" in api.json()["detail"]
+        box = login(owner).post(
+            reverse("web:job_sample", args=[job.pk]),
+            {"prompt": "1+1=", "mode": "raw", "max_tokens": "4", "temperature": "0", "n": "1"},
+        )
+        assert box.status_code == 429
+        assert "Busy, try again in a moment" in box.content.decode()
+        assert futures.queued_samples("tiny") == queued
+    finally:
+        events.release_slot(team.pk, "req-someone-else")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_answers_503_when_no_model_worker_answers(
+    login: Callable[[Any], Client],
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    owner_client: APIClient,
+    tiny_base_model: Any,
+    clean_control_plane: Any,
+    clean_tinker_keys: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No node has announced a GPU block, so no model worker can start: the request waits for
+    one as long as the service allows (shortened here), then says so, and is cancelled so
+    that a worker starting later does not generate it."""
+    from tinker_api import events, futures
+    from tinker_api.services import job_samples
+
+    monkeypatch.setattr(job_samples, "SILENCE_SECONDS", 1.5)
+    job = submit(team, owner, name="nobody-serves")
+    _finish_with_adapter(job)
+    api = owner_client.post(f"/api/v1/jobs/{job.pk}/sample", {"prompt": "1+1="}, format="json")
+    assert api.status_code == 503, api.content
+    assert api.json() == {"detail": "no model worker answered in time"}
+    box = login(owner).post(
+        reverse("web:job_sample", args=[job.pk]),
+        {"prompt": "1+1=", "mode": "raw", "max_tokens": "4", "temperature": "0", "n": "1"},
+    )
+    assert box.status_code == 503
+    assert "No model worker answered" in box.content.decode()
+    # Both requests still sit in the base model's stream, cancelled for the worker to skip,
+    # and neither holds a place of the team's any more.
+    entries = clean_control_plane.xrange(futures.stream_key("tiny"))
+    rids = [json.loads(fields[b"op"])["rid"] for _ident, fields in entries]
+    assert len(rids) == 2 and events.cancelled(rids) == set(rids)
+    assert events.take_slot(team.pk, "req-probe", 1, 5)
+    events.release_slot(team.pk, "req-probe")

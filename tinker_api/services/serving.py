@@ -15,7 +15,9 @@ which renders the prompt with the base model's own tokenizer: the web process lo
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,3 +260,43 @@ def state(request_id: str) -> tuple[str, str] | None:
 def keep_worker(served: Served) -> None:
     """Ask again for a worker for a request still waiting (none may have had a GPU block)."""
     ensure_worker(served.base.name)
+
+
+def follow(
+    request_id: str,
+    served: Served,
+    *,
+    poll_ms: int = 1000,
+    nudge_seconds: float = 5.0,
+    silence_seconds: float = 600.0,
+) -> Iterator[dict[str, Any] | None]:
+    """The request's events as they come, ending with ``done`` or ``error`` (a ``503`` one
+    when its worker failed or none answered for ``silence_seconds``); None for each poll of
+    ``poll_ms`` that brought nothing, so that a caller can write between them."""
+    after = "0"
+    heard = time.monotonic()
+    nudge = heard + nudge_seconds
+    while True:
+        got = events.read(request_id, after, poll_ms)
+        if got:
+            heard = time.monotonic()
+            for ident, event in got:
+                after = ident
+                yield event
+                if event["t"] in ("done", "error"):
+                    return
+            continue
+        now = time.monotonic()
+        found = state(request_id)
+        if found is None or found[0] in futures.FINAL:
+            message = found[1] if found and found[1] else "the request ended without an answer"
+            yield {"t": "error", "status": 503, "message": message}
+            return
+        if found[0] == futures.QUEUED and now > nudge:
+            nudge = now + nudge_seconds
+            keep_worker(served)
+        if now - heard > silence_seconds:
+            events.cancel(request_id)
+            yield {"t": "error", "status": 503, "message": "no model worker answered in time"}
+            return
+        yield None

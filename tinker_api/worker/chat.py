@@ -358,18 +358,18 @@ class ChatHandler:
                 text = choice.unsent + choice.text.finish()
                 at_eos = step.token in self.eos and not run.op.fields["params"].get("ignore_eos")
                 stopped = choice.text.stopped or at_eos or choice.tokens < choice.limit
-                ends.append(
-                    (
-                        run.rid,
-                        {
-                            "t": "end",
-                            "i": choice.index,
-                            "text": text,
-                            "lp": choice.logprobs,
-                            "finish_reason": "stop" if stopped else "length",
-                        },
-                    )
-                )
+                end: dict[str, Any] = {
+                    "t": "end",
+                    "i": choice.index,
+                    "text": text,
+                    "lp": choice.logprobs,
+                    "finish_reason": "stop" if stopped else "length",
+                }
+                if run.op.fields.get("token_ids"):
+                    # The job sample endpoint answers with the generated ids, as its contract
+                    # always has (stop token included).
+                    end["tokens"] = list(choice.text.tokens)
+                ends.append((run.rid, end))
                 choice.unsent, choice.logprobs = "", []
                 if all(c.finished for c in run.choices):
                     finished_runs.append(run)

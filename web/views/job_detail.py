@@ -118,6 +118,25 @@ def _sample_context(job: Job, form: SampleForm | None = None) -> dict[str, Any]:
     }
 
 
+def _use_model(request: HttpRequest, job: Job, can_sample: bool) -> dict[str, str] | None:
+    """How to call the job's policy on the OpenAI endpoint, for a job with a final adapter.
+
+    The name is ``job:<id>`` (the job's own name may be shared with a later run, or with a
+    base model); the base URL is this server's, as the browser reached it.
+    """
+    if not can_sample:
+        return None
+    return {"model": f"job:{job.pk}", "base_url": request.build_absolute_uri("/v1")}
+
+
+def _full_page(request: HttpRequest, job: Job, box: dict[str, Any]) -> dict[str, Any]:
+    context = _job_context(job)
+    context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
+    context.update(box)
+    context["use_model"] = _use_model(request, job, box["can_sample"])
+    return context
+
+
 def _job_context(job: Job) -> dict[str, Any]:
     events = list(job.events.order_by("-created", "-id")[:30])
     checkpoints, found = _artifacts(job)
@@ -143,9 +162,9 @@ def job_detail(request: HttpRequest, job_id: Any) -> HttpResponse:
     if request.htmx:  # type: ignore[attr-defined]
         response = render(request, "web/_job_status.html", context)
     else:
-        context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
-        context.update(_sample_context(job))
-        response = render(request, "web/job_detail.html", context)
+        response = render(
+            request, "web/job_detail.html", _full_page(request, job, _sample_context(job))
+        )
     patch_vary_headers(response, ["HX-Request"])
     return response
 
@@ -153,12 +172,14 @@ def job_detail(request: HttpRequest, job_id: Any) -> HttpResponse:
 @login_required
 @require_POST
 def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
-    """Generate from a finished job's adapter with ``jobs.sampling`` (the API's service).
+    """Generate from a finished job's adapter with ``jobs.sampling`` (the API's service: the
+    model worker of the job's base model answers, this process loads no model).
 
     htmx posts get only the sample box back; a plain form post (no JavaScript) gets the whole
-    job page with the samples or the error in the box. Refusals answer 400 (bad parameters)
-    or 409 (no adapter) to plain posts; htmx swaps only 2xx answers, so it gets 200 with the
-    message in the box.
+    job page with the samples or the error in the box. Refusals answer 400 (bad parameters),
+    409 (no adapter), 429 (the team's requests or the queue are full) or 503 (no model worker
+    answered) to plain posts; htmx swaps only 2xx answers, so it gets 200 with the message in
+    the box.
     """
     job = team_job(request, job_id)
     form = SampleForm(request.POST)
@@ -193,12 +214,16 @@ def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
             field = "prompt" if exc.field in ("prompt", "messages") else None
             form.add_error(field, exc.reason)
             status = 400
+        except sampling.SamplerBusy as exc:
+            box["sample_error"] = f"Busy, try again in a moment: {exc}."
+            status = 429
+        except sampling.SamplerUnavailable as exc:
+            box["sample_error"] = f"No model worker answered: {exc}."
+            status = 503
     if request.htmx:  # type: ignore[attr-defined]
         response = render(request, "web/_sample.html", {"job": job, **box})
     else:
-        context = _job_context(job)
-        context["spec_json"] = json.dumps(job.spec, indent=2, sort_keys=True)
-        context.update(box)
+        context = _full_page(request, job, box)
         response = render(request, "web/job_detail.html", context, status=status)
     # Samples are one person's answer to one prompt: never from a cache.
     response["Cache-Control"] = "no-store"

@@ -37,7 +37,6 @@ from typing import Any
 from environments.registry import get_env
 from environments.renderer import Renderer
 from environments.types import DataSource, Trajectory
-from jobs.engines import policy_from_spec
 from jobs.spec import JobSpec
 from training import ops
 from training.checkpoint import CheckpointDir
@@ -45,6 +44,7 @@ from training.engine import Engine
 from training.types import AdamParams, Datum
 from workers.runners.data_order import DataOrder, mix_seed
 from workers.runners.data_processing import apply_kl_penalty, mean, rl_batch, sft_datum, std
+from workers.runners.engines import policy_from_spec
 from workers.runners.evaluation import evaluate_snapshot
 from workers.runners.loop_types import (
     ADAPTER_DIR,

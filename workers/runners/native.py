@@ -2,9 +2,10 @@
 
 It resolves what the database knows (`workers.runners.inputs`: the base model's directory,
 the dataset file and its test split), takes the process's engine for the base model
-(`jobs.engines`) and hands the run to `workers.runners.loop.TrainingLoop`. Artifacts land in
-the job's workdir, which survives requeues: ``checkpoints/`` (with ``checkpoints.jsonl``),
-``eval/``, ``adapter/`` (PEFT) or ``model/`` (full fine-tuning) and ``summary.json``.
+(`workers.runners.engines`) and hands the run to `workers.runners.loop.TrainingLoop`.
+Artifacts land in the job's workdir, which survives requeues: ``checkpoints/`` (with
+``checkpoints.jsonl``), ``eval/``, ``adapter/`` (PEFT) or ``model/`` (full fine-tuning) and
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from jobs import artifacts
-from jobs.adapters import load_peft_adapter
-from jobs.engines import engine_for, policy_from_spec
 from jobs.models import Job
 from jobs.spec import JobSpec, parse_spec
 from training.engine import Engine
+from workers.runners.adapters import load_peft_adapter
 from workers.runners.base import JobContext
+from workers.runners.engines import engine_for, policy_from_spec
 from workers.runners.evaluation import run_eval
 from workers.runners.inputs import base_model_path, dataset_rows, eval_job_rows
 from workers.runners.loop import TrainingLoop

@@ -1,7 +1,7 @@
 """Reading a PEFT adapter back into an engine policy (pure: no Django, no database).
 
-Eval jobs (``workers.runners.native``) and the sample endpoint (``jobs.sampling``) load the
-``adapter/`` a training job exported with ``Policy.export_peft``.
+Eval jobs (``workers.runners.native``) load the ``adapter/`` a training job exported with
+``Policy.export_peft``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ def load_peft_adapter(policy: Policy, adapter_dir: Path) -> None:
     The policy must have been created with the adapter's rank and targets (those of the job
     that trained it); any missing, extra or misshapen tensor is an error, not a partial load.
     """
-    # The web process imports this module with the API's URLs; torch loads only when an
-    # adapter is actually read.
+    # Lazy: torch loads only when an adapter is actually read.
     import torch
 
     if policy.is_full_finetune:

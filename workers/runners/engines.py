@@ -1,8 +1,7 @@
-"""The engines a process keeps loaded, and the policy a JobSpec describes.
+"""The engines a GPU worker keeps loaded, and the policy a JobSpec describes.
 
-One cache for every user in a process: the native runner (on a GPU worker) and the sample
-endpoint (in the web process). Loading a base model is the slowest part of a short job or of
-a first sample, so an engine stays loaded for the life of the process.
+Loading a base model is the slowest part of a short job, so an engine stays loaded for the
+life of the worker process and every job it runs on that base model reuses it.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .spec import JobSpec
+from jobs.spec import JobSpec
 
 if TYPE_CHECKING:
     from training.engine import Engine
@@ -26,8 +25,7 @@ _LOCK = threading.Lock()
 
 def engine_for(path: Path | str, device: str | None = None) -> Engine:
     """The process's engine for the base model at `path` on `device`, loaded on first use."""
-    # Lazy: the web process imports this module (jobs.sampling) and must not import torch
-    # until a sample is actually asked for.
+    # Lazy: the worker imports its runners at start, before it knows it will run a job.
     from training.engine import Engine
 
     key = (str(path), device)
