@@ -1,0 +1,178 @@
+"""An evaluation harness (``inspect-ai``, its ``openai-api`` provider) scores a trained job's
+policy through ``/v1/chat/completions`` and gets the job's own final held-out accuracy.
+
+A real RL job on the tiny model and the ``math`` env runs on a real Celery worker and
+evaluates itself greedily on its held-out rows (``workers.runners.evaluation``). The harness
+then asks the live server, model ``job:<id>``, with the same messages (the env's first
+observation of each held-out row), greedy, the same token limit, and grades with the env's
+own rule (``MathEpisode.step``, i.e. ``environments.grading``). The harness runs as its
+users run it (``inspect eval`` on ``harness_task.py``, in a process of its own); nothing in
+the task is downloaded: its dataset is built in memory from the job's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("inspect_ai")
+
+from tests.e2e.rows import addition_rows
+from tests.fixtures.workers import wait_for
+from tests.tinker_api.conftest import sdk_worker_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+]
+
+STEPS = 2
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS_TASK = Path(__file__).with_name("harness_task.py")
+
+
+def held_out_prompts(spec_json: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's held-out rows as its evaluation plays them: the env's first observation
+    (messages), the token limit the rollout applies, and the row itself for grading."""
+    from environments.registry import build_group
+    from jobs.spec import JobSpec
+    from workers.runners.evaluation import EVAL_SEED_OFFSET
+    from workers.runners.inputs import dataset_rows
+
+    spec = JobSpec.model_validate(spec_json)
+    eval_rows = dataset_rows(spec)[1] or []
+    prompts = []
+    for i, row in enumerate(eval_rows[: spec.eval_examples]):
+        group = {
+            "env": spec.env,
+            "config": dict(spec.env_config),
+            "row": row,
+            "seed": EVAL_SEED_OFFSET + i,
+            "group_size": 1,
+        }
+        episode = build_group(group).make_episodes()[0]
+        messages, stop = episode.initial_observation()
+        prompts.append(
+            {
+                "messages": messages,
+                "max_tokens": min(spec.rollout.max_tokens, stop.max_tokens),
+                "stop": list(stop.stop),
+                "group": group,
+            }
+        )
+    return prompts
+
+
+def test_it_scores_a_trained_job_through_the_endpoint_as_the_job_scored_itself(
+    live_server: Any,
+    tiny_base_model: Any,
+    owner_client: Any,
+    owner_key: tuple[Any, str],
+    start_worker: Callable[..., Any],
+    tinker_data_dir: Path,
+    clean_tinker_keys: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    from jobs.models import Job, JobState
+    from training.model import DEFAULT_BASE_MODEL
+
+    if not (Path(DEFAULT_BASE_MODEL) / "config.json").is_file():
+        pytest.skip(f"no model at {DEFAULT_BASE_MODEL}: run `make model`")
+    tiny_base_model.path = str(Path(DEFAULT_BASE_MODEL).resolve())
+    tiny_base_model.save(update_fields=["path"])
+    sdk_worker_env(monkeypatch)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    worker = start_worker(slots=2)
+
+    body = b"".join(json.dumps(r).encode() + b"\n" for r in addition_rows(400))
+    upload = owner_client.post(
+        "/api/v1/datasets",
+        {
+            "file": SimpleUploadedFile("add.jsonl", body, content_type="application/jsonl"),
+            "name": "add2",
+            "env": "math",
+        },
+        format="multipart",
+    )
+    assert upload.status_code == 201, upload.content
+    spec = {
+        "method": "rl",
+        "env": "math",
+        "dataset": str(upload.json()["id"]),
+        "base_model": tiny_base_model.name,
+        "steps": STEPS,
+        "seed": 3,
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_tokens": 24},
+        "lora": {"rank": 8, "alpha": 16},
+        "optimizer": {"lr": 3e-4},
+        "eval_every": STEPS,
+        "eval_examples": 16,
+    }
+    submitted = owner_client.post("/api/v1/jobs", {"name": "adder", "spec": spec}, format="json")
+    assert submitted.status_code == 201, submitted.content
+    job_id = str(submitted.json()["id"])
+    final = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+    wait_for(lambda: Job.objects.filter(pk=job_id, state__in=final).exists(), 150, "the job")
+    job = Job.objects.get(pk=job_id)
+    assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
+    series = owner_client.get(f"/api/v1/jobs/{job_id}/metrics").json()["series"]
+    step, job_accuracy = series["eval/accuracy"][-1]
+    assert int(step) == STEPS
+    # Some answers right and some wrong, or equal scores would say little about the grading.
+    assert 0.0 < job_accuracy < 1.0, series["eval/accuracy"]
+
+    prompts = held_out_prompts(job.spec)
+    assert len(prompts) == 16
+    transcript_path = tinker_data_dir / "jobs" / job_id / "eval" / f"step-{STEPS:06d}.jsonl"
+    transcripts = [json.loads(line) for line in transcript_path.read_text().splitlines()]
+    # The harness is handed what the job's evaluation rendered, prompt for prompt.
+    assert [t["turns"][0]["observation"] for t in transcripts] == [p["messages"] for p in prompts]
+    limits = {p["max_tokens"] for p in prompts}
+    assert len(limits) == 1 and not any(p["stop"] for p in prompts)
+
+    prompts_file = tmp_path / "held-out.json"
+    prompts_file.write_text(json.dumps(prompts), encoding="utf-8")
+    log_dir = tmp_path / "inspect-logs"
+    # The harness as its users run it, in a process of its own: its CLI, its OpenAI-compatible
+    # provider, the server's URL and an otk_ key.
+    command = [
+        str(Path(sys.executable).with_name("inspect")),
+        *("eval", f"{HARNESS_TASK}@held_out", "-T", f"prompts={prompts_file}"),
+        *("--model", f"openai-api/opentinker/job:{job_id}"),
+        *("--model-base-url", live_server.url + "/v1", "-M", f"api_key={owner_key[1]}"),
+        *("--temperature", "0", "--max-tokens", str(limits.pop())),
+        *("--max-connections", "16", "--log-dir", str(log_dir), "--log-format", "json"),
+        *("--display", "none", "--log-level", "warning"),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    started = time.monotonic()
+    ran = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
+    elapsed = time.monotonic() - started
+    assert ran.returncode == 0, (ran.stdout[-3000:], ran.stderr[-3000:])
+    (log_file,) = log_dir.glob("*.json")
+    log = json.loads(log_file.read_text(encoding="utf-8"))
+    assert log["status"] == "success", (log.get("error"), worker.log()[-3000:])
+    samples = sorted(log["samples"], key=lambda s: s["id"])
+    assert [s.get("error") for s in samples] == [None] * len(prompts)
+    completions = [s["output"]["choices"][0]["message"]["content"] for s in samples]
+    # Greedy through the endpoint writes what the job's greedy evaluation wrote.
+    assert completions == [t["turns"][0]["action"] for t in transcripts]
+    assert log["results"]["total_samples"] == 16
+    harness_accuracy = log["results"]["scores"][0]["metrics"]["accuracy"]["value"]
+    assert harness_accuracy == job_accuracy, (harness_accuracy, job_accuracy)
+    print(
+        f"harness accuracy {harness_accuracy} == job eval/accuracy {job_accuracy} ({elapsed:.1f}s)"
+    )
