@@ -14,7 +14,6 @@ prompt too long for the context is still a plain 400, streaming or not.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any
@@ -24,7 +23,7 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.exceptions import AuthenticationFailed
 
 from accounts.authentication import ApiKeyAuthentication
-from tinker_api import events, futures
+from tinker_api import events
 from tinker_api.services import serving
 from tinker_api.services.lookups import Caller
 from tinker_api.serving import params
@@ -124,35 +123,15 @@ def _error_of(event: dict[str, Any]) -> ApiError:
 
 
 def _follow(request_id: str, served: serving.Served) -> Iterator[dict[str, Any] | None]:
-    """The request's events as they come, ending with ``done`` or ``error``; None for each
-    poll that brought nothing (a stream sends a keep-alive then)."""
-    after = "0"
-    heard = time.monotonic()
-    nudge = heard + NUDGE_SECONDS
-    while True:
-        got = events.read(request_id, after, POLL_MS)
-        if got:
-            heard = time.monotonic()
-            for ident, event in got:
-                after = ident
-                yield event
-                if event["t"] in ("done", "error"):
-                    return
-            continue
-        now = time.monotonic()
-        state = serving.state(request_id)
-        if state is None or state[0] in futures.FINAL:
-            message = state[1] if state and state[1] else "the request ended without an answer"
-            yield {"t": "error", "status": 503, "message": message}
-            return
-        if state[0] == futures.QUEUED and now > nudge:
-            nudge = now + NUDGE_SECONDS
-            serving.keep_worker(served)
-        if now - heard > SILENCE_SECONDS:
-            events.cancel(request_id)
-            yield {"t": "error", "status": 503, "message": "no model worker answered in time"}
-            return
-        yield None
+    """The request's events as they come (``serving.follow``); None for each poll that
+    brought nothing (a stream sends a keep-alive then)."""
+    return serving.follow(
+        request_id,
+        served,
+        poll_ms=POLL_MS,
+        nudge_seconds=NUDGE_SECONDS,
+        silence_seconds=SILENCE_SECONDS,
+    )
 
 
 def _relay(
