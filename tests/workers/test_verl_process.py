@@ -375,6 +375,11 @@ def test_the_next_attempt_kills_what_a_killed_worker_left_and_its_segments(
     state = tmp_path / "leftovers.json"
     verl_process.record_leftovers(state, segments={segment.name}, ray_tmpdir=str(ray_dir))
     try:
+        # The child carries the marker once it has exec'd; until then /proc shows the
+        # environment it forked with.
+        deadline = time.monotonic() + 10
+        while verl_process.job_processes(job_id) != [left.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert verl_process.job_processes(job_id) == [left.pid]
         cleaned = verl_process.clean_leftovers(job_id, state)
         assert cleaned["killed"] == [left.pid] and cleaned["segments"] == [segment.name]
