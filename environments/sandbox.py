@@ -241,6 +241,9 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
     host_tmp = tempfile.mkdtemp(prefix="opentinker-sbx-")
     cgroup = None
     status_r, status_w = os.pipe()
+    # Each end is closed exactly once: closing a number twice closes whatever another thread
+    # opened under it in between (a checkpoint being written, a pipe being read).
+    open_fds = {status_r, status_w}
     try:
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
         cfg: dict = {
@@ -288,12 +291,14 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
         if mode == "rlimit":
             with open(os.path.join(cfg["script_dir"], "prelude.py"), "w") as fh:
                 fh.write(prelude)
+        # _supervise closes the write end once the child holds it (and if it cannot start).
+        open_fds.discard(status_w)
         result = _supervise(python, cfg, limits, status_r, status_w, mode)
         if mode == "namespace":
             result.metrics["uid"] = float(uid)
         return result
     finally:
-        for fd in (status_r, status_w):
+        for fd in open_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         _remove_cgroup(cgroup)
@@ -316,6 +321,7 @@ def _supervise(
             cwd="/",
         )
     except OSError as exc:
+        os.close(status_w)
         return SandboxResult("", "", None, None, f"sandbox could not start: {exc}", mode)
     os.close(status_w)
     outputs = {"stdout": bytearray(), "stderr": bytearray()}

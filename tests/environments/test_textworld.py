@@ -47,17 +47,27 @@ Row = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def pool() -> dict[str, list[Row]]:
+def pool(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Row]]:
     """The default pool (4 train + 2 held-out games) where the env looks for it; compiled
     once per machine (~15 s on two busy cores), a rerun only replays the walkthroughs."""
     root = games_root()
     started = time.monotonic()
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "build_textworld_games.py"), "--out", str(root)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    log_path = tmp_path_factory.mktemp("textworld") / "build.log"
+    # The build's output goes to a file the child holds, not to pipes this process reads for
+    # a minute while other tests' threads run beside it.
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "build_textworld_games.py"),
+                "--out",
+                str(root),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    assert proc.wait(timeout=600) == 0, log_path.read_text(errors="replace")[-3000:]
     print(f"textworld pool ready in {time.monotonic() - started:.1f}s")
     return {
         split: [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()]

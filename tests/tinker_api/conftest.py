@@ -20,6 +20,32 @@ from training.model import DEFAULT_BASE_MODEL
 BASE_NAME = "tiny-tinker"
 
 
+@pytest.fixture(autouse=True)
+def _close_sdk_clients() -> Iterator[None]:
+    """Every SDK client a test opened is closed when the test ends. A client heartbeats its
+    session from a thread of its own for as long as it lives; left open, it keeps calling the
+    session-wide live server during later tests, which pytest-django refuses database access
+    (a 500 on /api/v1/session_heartbeat in their logs)."""
+    import weakref
+
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    opened: weakref.WeakSet[Any] = weakref.WeakSet()
+    init = InternalClientHolder.__init__
+
+    def tracking_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        opened.add(self)
+
+    InternalClientHolder.__init__ = tracking_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        InternalClientHolder.__init__ = init  # type: ignore[method-assign]
+        for holder in list(opened):
+            holder.close()
+
+
 def _build_random_model(out: Path) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -262,6 +262,11 @@ def test_it_streams_while_generating_and_a_client_that_hangs_up_frees_its_slot(
     settings.OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = 1
     api = client(server, owner_key[1], max_retries=0)
     api.completions.create(model=BASE_NAME, prompt="1+1=", max_tokens=1)  # the worker is up
+    # The worker frees a request's place just after its answer goes out: under load the next
+    # request can come first, and with a limit of one it would be told to come back.
+    deadline = time.monotonic() + 10
+    while futures.queued_samples(BASE_NAME) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     stream = api.chat.completions.create(
         model=BASE_NAME,
