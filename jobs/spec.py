@@ -291,7 +291,10 @@ class JobSpecV1(BaseModel):
         1,
         ge=1,
         le=256,
-        description="GPUs of the job: one node's block, or with `gpus_per_node` a gang.",
+        description=(
+            "GPUs of the job: one node's block, or with `gpus_per_node` a gang; native rl and "
+            "sft jobs train one data-parallel rank per GPU."
+        ),
     )
     gpus_per_node: int | None = Field(
         None,
@@ -406,6 +409,7 @@ class JobSpecV1(BaseModel):
             errors.append(("lora", "give either `lora` or `full_finetune: true`, not both"))
         if self.method in ("rl", "sft") and self.env is not None:
             errors.extend(_env_errors(self))
+            errors.extend(_rank_errors(self))
         if self.runner == "verl" and self.method == "sft" and self.eval is not None:
             errors.append(("runner", "eval jobs run on the native runner"))
         if self.runner == "verl" and self.method == "rl":
@@ -425,13 +429,38 @@ def _gang_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         return []
     if spec.gpus % per:
         return [("gpus_per_node", f"must divide gpus ({spec.gpus}): every rank the same size")]
-    return [
-        (
-            "gpus_per_node",
-            "training across nodes is not launched yet (the lock table allocates gangs; the "
-            "leader/follower launch is not built): give gpus_per_node = gpus",
-        )
-    ]
+    if spec.runner == "verl":
+        return [
+            (
+                "gpus_per_node",
+                "verl across nodes is not launched yet (native rl and sft jobs are): give "
+                "gpus_per_node = gpus",
+            )
+        ]
+    return []
+
+
+def _rank_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
+    """A native job trains one data-parallel rank per GPU: each needs a share of the batch."""
+    if spec.gpus < 2 or spec.runner != "native" or spec.eval is not None:
+        return []
+    if spec.method == "rl" and spec.rollout.prompts_per_step < spec.gpus:
+        return [
+            (
+                "rollout.prompts_per_step",
+                f"{spec.rollout.prompts_per_step} groups cannot be shared by the job's "
+                f"{spec.gpus} ranks (one per GPU): at least {spec.gpus}",
+            )
+        ]
+    if spec.method == "sft" and spec.batch_size < spec.gpus:
+        return [
+            (
+                "batch_size",
+                f"{spec.batch_size} rows cannot be shared by the job's {spec.gpus} ranks (one "
+                f"per GPU): at least {spec.gpus}",
+            )
+        ]
+    return []
 
 
 def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:

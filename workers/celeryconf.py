@@ -19,6 +19,7 @@ __all__ = [
     "ENFORCE_CANCEL_TASK",
     "ENV_QUEUE",
     "GPU_QUEUE",
+    "JOIN_JOB_TASK",
     "REAP_TASK",
     "RUN_JOB_TASK",
     "celery_settings",
@@ -32,6 +33,7 @@ ENV_QUEUE = "env"
 # The dispatcher sends run_job by name: importing the task module there would close a circle
 # (the task calls the dispatcher after every release).
 RUN_JOB_TASK = "workers.tasks.run_job"
+JOIN_JOB_TASK = "workers.tasks.join_job"
 REAP_TASK = "workers.tasks.reap"
 ENFORCE_CANCEL_TASK = "workers.tasks.enforce_cancel"
 
@@ -71,6 +73,7 @@ def celery_settings() -> dict[str, Any]:
             REAP_TASK: {"queue": CONTROL_QUEUE},
             ENFORCE_CANCEL_TASK: {"queue": CONTROL_QUEUE},
             RUN_JOB_TASK: {"queue": GPU_QUEUE},
+            JOIN_JOB_TASK: {"queue": GPU_QUEUE},
             "tinker_api.serve_base_model": {"queue": GPU_QUEUE},
             "environments.tasks.*": {"queue": ENV_QUEUE},
         },

@@ -145,3 +145,18 @@ def node_name() -> str:
 
 def cpu_slots() -> int:
     return int_setting("OPENTINKER_CPU_SLOTS", minimum=1)
+
+
+def node_address() -> str:
+    """Where the other nodes of a gang reach this one (its rank 0's rendezvous store)."""
+    configured = str(setting("OPENTINKER_NODE_ADDRESS") or "").strip()
+    if configured:
+        return configured
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def gang_timeout() -> float:
+    return float(int_setting("OPENTINKER_GANG_TIMEOUT_SECONDS", minimum=5))

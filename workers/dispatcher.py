@@ -34,8 +34,8 @@ from redis.exceptions import LockError
 
 from jobs import placement, services
 from jobs.models import Job, JobState
-from workers import audit, conf
-from workers.celeryconf import RUN_JOB_TASK, node_queue
+from workers import audit, conf, gang
+from workers.celeryconf import JOIN_JOB_TASK, RUN_JOB_TASK, node_queue
 from workers.locktable import GpuLockTable, Lease
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
             soft_time_limit=soft,
             time_limit=hard,
         )
+        if len(lease.gpu_ids) > 1 and gang.launches_followers(cand.spec):
+            _send_followers(cand, lease, soft, hard)
     except Exception as exc:
         log.exception("could not send job %s to gpu.%s", cand.job_id, lease.node)
         table.release(lease)
@@ -147,6 +149,27 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
         return False
     log.info("job %s -> %s (task %s)", cand.job_id, " ".join(lease.gpu_ids), task_id)
     return True
+
+
+def _send_followers(cand: Candidate, lease: Lease, soft: int, hard: int) -> None:
+    """``join_job`` for every rank but the leader's rank 0, each on its GPU's node's queue."""
+    plan = gang.ranks(lease.blocks)
+    for rank in plan[1:]:
+        current_app.send_task(
+            JOIN_JOB_TASK,
+            args=[cand.job_id],
+            kwargs={
+                "attempt": cand.attempt,
+                "node": rank.node,
+                "gpus": [rank.gpu],
+                "lease_token": lease.token,
+                "rank": rank.rank,
+                "world": len(plan),
+            },
+            queue=node_queue(rank.node),
+            soft_time_limit=soft,
+            time_limit=hard,
+        )
 
 
 def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None) -> list[str]:

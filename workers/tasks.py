@@ -1,9 +1,11 @@
-"""Celery tasks: ``run_job`` on ``gpu.<node>``, ``reap`` on ``control``.
+"""Celery tasks: ``run_job`` and ``join_job`` on ``gpu.<node>``, ``reap`` on ``control``.
 
 Tasks take primary keys and JSON only. ``run_job`` owns one attempt of one job: it proves it
 still holds the lease, marks the job RUNNING, runs the runner with a background thread
 renewing the lease every TTL/3, writes the metrics the runner left buffered, finishes the job
-through ``jobs.services`` and releases the GPUs, whatever happened.
+through ``jobs.services`` and releases the GPUs, whatever happened. A job across nodes runs
+``run_job`` on its leader's node and ``join_job`` on each other member's node (`workers.gang`):
+the followers hold no state of the job's; when one stops, the leader requeues the attempt.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from django.conf import settings
 
 from jobs import services
 from jobs.models import Job, JobState
-from workers import audit, conf, control, runners
-from workers.celeryconf import ENFORCE_CANCEL_TASK, REAP_TASK, RUN_JOB_TASK
+from workers import audit, conf, control, gang, runners
+from workers.celeryconf import ENFORCE_CANCEL_TASK, JOIN_JOB_TASK, REAP_TASK, RUN_JOB_TASK
 from workers.devices import lease_devices
 from workers.dispatcher import request_dispatch
 from workers.leases import LeaseKeeper
@@ -28,7 +30,7 @@ from workers.outages import through_outage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["enforce_cancel", "job_workdir", "reap", "run_job"]
+__all__ = ["enforce_cancel", "job_workdir", "join_job", "reap", "run_job"]
 
 
 def job_workdir(job_id: str) -> Path:
@@ -56,6 +58,8 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         return "not-startable"
 
     spec: dict[str, Any] = row["spec"] or {}
+    held = table.lease_of(str(job_id))
+    members = [(n, list(g)) for n, g in held.blocks] if held is not None else [(node, list(gpus))]
     ctx = runners.JobContext(
         job_id=str(job_id),
         attempt=attempt,
@@ -64,12 +68,20 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         workdir=job_workdir(job_id),
         node=node,
         gpus=list(gpus),
+        members=members,
         cancel_check=control.is_cancel_requested,
         heartbeat_interval=conf.heartbeat_interval(),
     )
-    keeper = LeaseKeeper(table, lease, ctx.lose_lease)
+    keeper: LeaseKeeper = LeaseKeeper(table, lease, ctx.lose_lease)
+    plan = gang.ranks(members)
+    if len(plan) > 1 and gang.launches_followers(spec):
+        followers = [r.rank for r in plan if r.rank != 0]
+        keeper = gang.GangKeeper(
+            table, lease, ctx.lose_lease, attempt=attempt, follower_ranks=followers
+        )
     keeper.start()
     state, code, message = JobState.SUCCEEDED, "", ""
+    requeue = ""
     try:
         runner = runners.runner_for(ctx.job_spec)
         runner(ctx)
@@ -79,6 +91,8 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         state = JobState.CANCELLED
     except runners.LeaseLost:
         ctx.lose_lease()
+    except runners.MemberLost as exc:
+        requeue = failure_message(exc)
     except SoftTimeLimitExceeded:
         state, code = JobState.FAILED, "timeout"
         message = f"exceeded its max runtime of {conf.job_max_runtime(spec)} s"
@@ -97,11 +111,21 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         except Exception:
             log.exception("job %s: could not write its last metrics", job_id)
         keeper.stop()
+    lost_rank = getattr(keeper, "lost_rank", None)
+    if lost_rank is not None and state is JobState.SUCCEEDED and ctx.stop_reason != "cancelled":
+        requeue = requeue or f"rank {lost_rank} of the job stopped beating"
 
     outcome = "lease-lost"
     try:
+        if requeue:
+            # A member of the gang stopped: the attempt goes back to the queue (it resumes
+            # from its last checkpoint), and the whole gang's GPUs with its one lease.
+            requeued = services.requeue_job(
+                job_id, attempt=attempt, reason=requeue, max_attempts=conf.max_attempts()
+            )
+            outcome = "requeued" if requeued else "stale"
         # After a lost lease the reaper (or a cancel) owns the job: this outcome does not count.
-        if not ctx.lease_lost:
+        elif not ctx.lease_lost:
             finished = services.finish_job(
                 job_id, state, attempt=attempt, error_code=code, error_message=message
             )
@@ -113,8 +137,67 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         if through_outage(lambda: table.release(lease), f"job {job_id}: release its GPUs"):
             audit.lease_ended(str(job_id), attempt, "released")
         through_outage(lambda: control.clear_cancel(str(job_id)), f"job {job_id}: clear flags")
+        if len(plan) > 1:
+            through_outage(lambda: gang.clear(str(job_id), attempt), f"job {job_id}: gang keys")
     through_outage(request_dispatch, "dispatch after a job")
     log.info("job %s attempt %s: %s", job_id, attempt, outcome)
+    return outcome
+
+
+@shared_task(name=JOIN_JOB_TASK, ignore_result=True)
+def join_job(
+    job_id: str,
+    *,
+    attempt: int,
+    node: str,
+    gpus: list[int],
+    lease_token: str,
+    rank: int,
+    world: int,
+) -> str:
+    """Run follower rank ``rank`` of a gang's attempt on this node until the leader's rank 0
+    ends it. Not redelivered: a follower lost with its worker is the leader's to notice."""
+    from workers.runners import native
+    from workers.runners.distributed import PeerLost
+
+    table = GpuLockTable(conf.get_redis())
+
+    def still_wanted() -> bool:
+        held = table.lease_of(str(job_id))
+        return held is not None and held.token == lease_token
+
+    if not still_wanted():
+        return "lease-lost"
+    row = Job.objects.filter(pk=job_id, attempt=attempt).values("spec").first()
+    if row is None:
+        return "stale"
+    beat = gang.MemberBeat(str(job_id), attempt, rank)
+    beat.beat()
+    beat.start()
+    workdir = job_workdir(job_id) / "ranks" / f"{attempt}-{rank}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        joined = native.join(
+            str(job_id),
+            row["spec"] or {},
+            attempt=attempt,
+            rank=rank,
+            world=world,
+            device=lease_devices(table, node, gpus)[0],
+            workdir=workdir,
+            still_wanted=still_wanted,
+        )
+        outcome = "done" if joined else "no-rendezvous"
+    except PeerLost as exc:
+        log.warning("job %s rank %s: %s", job_id, rank, exc)
+        outcome = "peer-lost"
+    except Exception:
+        # The leader sees this rank leave (its collectives fail) and requeues the attempt.
+        log.exception("job %s rank %s failed", job_id, rank)
+        outcome = "failed"
+    finally:
+        beat.stop()
+    log.info("job %s attempt %s rank %s: %s", job_id, attempt, rank, outcome)
     return outcome
 
 

@@ -192,6 +192,12 @@ OPENTINKER_NODE_NAME = read_word("OPENTINKER_NODE_NAME")
 OPENTINKER_GPUS = read_index_list("OPENTINKER_GPUS")
 OPENTINKER_GPU_GROUPS = read_index_groups("OPENTINKER_GPU_GROUPS")
 OPENTINKER_CPU_SLOTS = read_int("OPENTINKER_CPU_SLOTS", 2, minimum=1, maximum=1024)
+# The address other nodes reach this one at, for the rendezvous of a job across nodes (rank
+# 0's torch.distributed store); empty means the address the host name resolves to.
+OPENTINKER_NODE_ADDRESS = env.str("OPENTINKER_NODE_ADDRESS", default="")
+# How long the ranks of a job across nodes wait for each other: at the rendezvous, and in any
+# one collective (a rank that died fails its peers at once; this bounds one that hangs).
+OPENTINKER_GANG_TIMEOUT_SECONDS = read_int("OPENTINKER_GANG_TIMEOUT_SECONDS", 300, minimum=5)
 
 # The verl trainer's command line (shell words); empty means the verl venv's main_ppo.
 OPENTINKER_VERL_COMMAND = read_command("OPENTINKER_VERL_COMMAND")

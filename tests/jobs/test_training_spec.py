@@ -152,7 +152,10 @@ def test_it_runs_envs_inline_unless_the_spec_names_the_env_queue():
     [
         ({"method": "smoke", "gpus": 2, "gpus_per_node": 4}, "more than the job's 2 GPUs"),
         ({"method": "rl", **MATH, "gpus": 6, "gpus_per_node": 4}, "must divide gpus"),
-        ({"method": "rl", **MATH, "gpus": 4, "gpus_per_node": 2}, "not launched yet"),
+        (
+            {"method": "rl", **MATH, "runner": "verl", "gpus": 4, "gpus_per_node": 2},
+            "verl across nodes is not launched yet",
+        ),
         ({"method": "smoke", "gpus": 65}, "at most 64"),
     ],
 )
@@ -162,9 +165,20 @@ def test_it_checks_gpus_per_node(data: dict, reason: str) -> None:
     assert {e["field"] for e in errors} <= {"gpus", "gpus_per_node"}
 
 
-def test_it_accepts_a_gang_of_smoke_jobs_and_one_node_blocks_with_gpus_per_node() -> None:
+def test_it_accepts_gangs_of_native_jobs_and_one_node_blocks_with_gpus_per_node() -> None:
     assert parse_spec({"method": "smoke", "gpus": 6, "gpus_per_node": 4}).gpus_per_node == 4
     assert parse_spec({"method": "rl", **MATH, "gpus": 2, "gpus_per_node": 2}).gpus == 2
+    rl = parse_spec({"method": "rl", **MATH, "gpus": 4, "gpus_per_node": 2})
+    assert (rl.gpus, rl.gpus_per_node) == (4, 2)
+
+
+def test_every_rank_of_a_native_job_gets_a_share_of_the_batch() -> None:
+    rl = {"method": "rl", **MATH, "gpus": 4, "rollout": {"prompts_per_step": 2}}
+    assert [e["field"] for e in errors_of(rl)] == ["rollout.prompts_per_step"]
+    assert "at least 4" in errors_of(rl)[0]["reason"]
+    sft = {"method": "sft", **MATH, "gpus": 2, "gpus_per_node": 1, "batch_size": 1}
+    assert [e["field"] for e in errors_of(sft)] == ["batch_size"]
+    assert parse_spec({**rl, "rollout": {"prompts_per_step": 4}}).gpus == 4
 
 
 def test_it_holds_textarena_self_play_to_gomoku_self_plays_rules() -> None:

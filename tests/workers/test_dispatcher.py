@@ -300,3 +300,59 @@ def test_it_refuses_at_submit_a_gang_no_set_of_nodes_could_hold(
     # Two nodes of two or more GPUs hold 4 as 2 + 2.
     job = services.submit_job(team=team, user=owner, spec={**spec, "gpus": 4}, name="gang")
     assert job.state == JobState.QUEUED
+
+
+def _queued_tasks(client: Any, queue: str) -> list[tuple[str, dict[str, Any]]]:
+    """(task name, kwargs) of the messages waiting in a Celery queue (kombu's Redis list)."""
+    import base64
+    import json
+
+    out = []
+    for raw in client.lrange(queue, 0, -1):
+        message = json.loads(raw)
+        body = json.loads(base64.b64decode(message["body"]))
+        out.append((message["headers"]["task"], body[1]))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["one-node", "gang"])
+def test_a_native_job_of_two_gpus_gets_a_rank_per_gpu_on_its_gpus_node(
+    layout: str,
+    table: GpuLockTable,
+    team: Any,
+    owner: Any,
+    tiny_base_model: Any,
+    clean_control_plane: Any,
+) -> None:
+    """Rank 0 is the leader's `run_job`; rank 1 a `join_job` on the queue of its GPU's node."""
+    if layout == "one-node":
+        table.announce("n", [0, 1], ttl=60)
+        extra: dict[str, Any] = {}
+    else:
+        table.announce("a", [0], ttl=60)
+        table.announce("b", [0], ttl=60)
+        extra = {"gpus_per_node": 1}
+    spec = {
+        "method": "rl",
+        "env": "math",
+        "dataset": "builtin:arith_train",
+        "gpus": 2,
+        "rollout": {"prompts_per_step": 2, "group_size": 2},
+        **extra,
+    }
+    job = services.submit_job(team=team, user=owner, spec=spec, name="ranks")
+    assert Job.objects.get(pk=job.pk).state == JobState.STARTING
+    lease = table.lease_of(str(job.pk))
+    assert lease is not None
+    (leader_node, _), *rest = lease.blocks
+    follower_node = rest[0][0] if rest else leader_node
+    sent = {
+        queue: _queued_tasks(clean_control_plane, f"gpu.{queue}")
+        for queue in {leader_node, follower_node}
+    }
+    tasks = [(name, kw) for queue in sent.values() for name, kw in queue]
+    assert sorted(name for name, _ in tasks) == ["workers.tasks.join_job", "workers.tasks.run_job"]
+    (joined,) = [kw for name, kw in tasks if name == "workers.tasks.join_job"]
+    assert (joined["rank"], joined["world"], joined["lease_token"]) == (1, 2, lease.token)
+    assert joined["node"] == follower_node
+    assert ("workers.tasks.join_job", joined) in sent[follower_node]

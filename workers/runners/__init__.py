@@ -17,12 +17,13 @@ import importlib
 from collections.abc import Callable
 
 from jobs.spec import JobSpec
-from workers.runners.base import JobCancelled, JobContext, LeaseLost
+from workers.runners.base import JobCancelled, JobContext, LeaseLost, MemberLost
 
 __all__ = [
     "JobCancelled",
     "JobContext",
     "LeaseLost",
+    "MemberLost",
     "Runner",
     "UnknownMethod",
     "available",

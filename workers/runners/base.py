@@ -14,7 +14,7 @@ from typing import Any
 
 from jobs.spec import JobSpec, parse_spec
 
-__all__ = ["METRICS_FLUSH_SECONDS", "JobCancelled", "JobContext", "LeaseLost"]
+__all__ = ["METRICS_FLUSH_SECONDS", "JobCancelled", "JobContext", "LeaseLost", "MemberLost"]
 
 # Longest a logged metric waits in the context's buffer while steps keep coming: the web UI
 # polls every few seconds. A step slower than this writes its metrics at once.
@@ -35,6 +35,11 @@ class JobCancelled(Exception):
 
 class LeaseLost(Exception):
     """The attempt lost its GPU lease (or was requeued): its results no longer count."""
+
+
+class MemberLost(Exception):
+    """Another member of a job across nodes stopped: the attempt is requeued (and resumes
+    from its last checkpoint) with the whole gang's GPUs given back."""
 
 
 @dataclass
@@ -59,6 +64,8 @@ class JobContext:
     workdir: Path
     node: str = ""
     gpus: list[int] = field(default_factory=list)
+    # The lease's members, the leader (this node) first: [(node, [gpus])]; one for most jobs.
+    members: list[tuple[str, list[int]]] = field(default_factory=list)
     # Redis cancel flag check; the task passes ``workers.control.is_cancel_requested``.
     cancel_check: Callable[[str], bool] | None = None
     heartbeat_interval: float = 10.0

@@ -13,6 +13,13 @@
   answer tokens.
 - Every `eval_every` steps: greedy decoding on the held-out prompts (`evaluation`).
 
+With a `Collective` (a job across several ranks, `distributed`) every rank takes the same
+groups or rows from the data order and plays or trains its share of them (group or row i goes
+to rank i mod world, seeded by its place in the whole batch), the gradients are summed across
+ranks before the optimizer step, and the step's metrics are those of the whole batch. Rank 0
+alone evaluates, checkpoints and exports, and decides when the ranks stop; a resumed rank 0
+hands its state to the others. One rank is the plain single-process loop.
+
 Everything random is derived from (seed, position) (`data_order`), so a checkpoint needs only
 the policy state (weights, AdamW, step, its RNG) plus the step and the data cursor, and a
 resumed run replays exactly the steps a killed one would have run.
@@ -44,6 +51,7 @@ from training.engine import Engine
 from training.types import AdamParams, Datum
 from workers.runners.data_order import DataOrder, mix_seed
 from workers.runners.data_processing import apply_kl_penalty, mean, rl_batch, sft_datum, std
+from workers.runners.distributed import Collective
 from workers.runners.engines import policy_from_spec
 from workers.runners.evaluation import evaluate_snapshot
 from workers.runners.loop_types import (
@@ -93,8 +101,12 @@ class TrainingLoop:
         rows: list[dict[str, Any]] | None,
         eval_rows: list[dict[str, Any]] | None,
         policy_id: str,
+        collective: Collective | None = None,
     ) -> None:
         self.ctx = ctx
+        self.collective = collective
+        self.rank = collective.rank if collective is not None else 0
+        self.world = collective.world if collective is not None else 1
         self.spec = spec
         self.engine = engine
         self.env = get_env(str(spec.env))
@@ -137,22 +149,45 @@ class TrainingLoop:
     # -- state ------------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """Load the latest checkpoint of an earlier attempt, if there is one."""
-        record = self.checkpoints.latest()
-        if record is None:
-            return False
-        self.policy.load_state(record["path"])
-        extra = record.get("extra") or {}
-        self.step = int(extra.get("step", record["step"]))
-        self.cursor = int(extra.get("cursor", 0))
-        self.last_eval = dict(extra.get("eval", {}))
-        # Steps after the checkpoint run again: what the lost attempt logged for them goes.
-        self.ctx.discard_metrics_after(self.step)
-        self.ctx.event(
-            f"resumed from checkpoint {record['name']} (step {self.step})",
-            {"checkpoint": record["name"], "step": self.step, "cursor": self.cursor},
+        """Load the latest checkpoint of an earlier attempt, if there is one (rank 0), and give
+        every other rank rank 0's state."""
+        record = self.checkpoints.latest() if self.rank == 0 else None
+        if record is not None:
+            self.policy.load_state(record["path"])
+            extra = record.get("extra") or {}
+            self.step = int(extra.get("step", record["step"]))
+            self.cursor = int(extra.get("cursor", 0))
+            self.last_eval = dict(extra.get("eval", {}))
+            # Steps after the checkpoint run again: what the lost attempt logged for them goes.
+            self.ctx.discard_metrics_after(self.step)
+            self.ctx.event(
+                f"resumed from checkpoint {record['name']} (step {self.step})",
+                {"checkpoint": record["name"], "step": self.step, "cursor": self.cursor},
+            )
+        if self.collective is None:
+            return record is not None
+        state = self.collective.broadcast_state(
+            {
+                "policy": self.policy.state_dict(),
+                "loop": {"step": self.step, "cursor": self.cursor, "resumed": record is not None},
+            }
+            if self.rank == 0
+            else None
         )
-        return True
+        if self.rank != 0:
+            self.policy.load_state_dict(state["policy"])
+            self.step = int(state["loop"]["step"])
+            self.cursor = int(state["loop"]["cursor"])
+        return bool(state["loop"]["resumed"])
+
+    def _should_stop(self) -> bool:
+        """The context's cancel or lost lease, as rank 0 sees it, on every rank."""
+        stop = self.ctx.cancelled() if self.rank == 0 else False
+        return self.collective.agree(stop) if self.collective is not None else stop
+
+    def _mine(self, count: int) -> list[int]:
+        """The places in a batch of `count` groups or rows that this rank plays or trains."""
+        return list(range(self.rank, count, self.world))
 
     def save_checkpoint(self) -> dict[str, Any]:
         # Groups already taken for steps still in the pipeline are taken again on resume.
@@ -216,7 +251,11 @@ class TrainingLoop:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _play(self, step: int, group_specs: list[dict[str, Any]], version: int) -> _Rollouts:
+    def _play(
+        self, step: int, group_specs: list[dict[str, Any]], version: int, places: list[int]
+    ) -> _Rollouts:
+        """Play `group_specs`, the groups at `places` of the step's batch (the seeds of a
+        group's rows follow its place, so a group plays the same on any rank)."""
         spec = self.spec
         stats = RolloutStats()
         groups = play_groups(
@@ -229,7 +268,7 @@ class TrainingLoop:
             top_p=spec.rollout.top_p,
             max_tokens=spec.rollout.max_tokens,
             max_turns=spec.rollout.max_turns,
-            seed_of=lambda g, e, t: mix_seed(spec.seed, step, g, e, t),
+            seed_of=lambda g, e, t: mix_seed(spec.seed, step, places[g], e, t),
             stats=stats,
             env_execution=spec.rollout.env_execution,
         )
@@ -240,15 +279,17 @@ class TrainingLoop:
         assert self.version is not None
         cursor = self.cursor
         specs = self._take_groups(self.spec.rollout.prompts_per_step, self.spec.rollout.group_size)
+        places = self._mine(len(specs))
+        specs = [specs[i] for i in places]
         version = self.version
         self._pinned[version] += 1
         result: Future[_Rollouts] | _Rollouts
         if background:
             if self._sampler is None:
                 self._sampler = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
-            result = self._sampler.submit(self._play, step, specs, version)
+            result = self._sampler.submit(self._play, step, specs, version, places)
         else:
-            result = self._play(step, specs, version)
+            result = self._play(step, specs, version, places)
         self._requests.append(_Request(step, version, cursor, result))
 
     def _rollouts_for(self, step: int) -> tuple[_Rollouts, float]:
@@ -303,39 +344,70 @@ class TrainingLoop:
             loss_sum += result.metrics.get("loss:sum", 0.0)
             tokens += result.metrics.get("tokens:sum", 0.0)
             loss_metrics = result.metrics
+        if self.collective is not None:
+            self.collective.all_reduce_grads(self.policy.parameters())
         opt = ops.optim_step(self.policy, self.adam)
         self.step = step
         self.publish()
         self._unpin(rollouts.version)
         train_seconds = time.perf_counter() - train_started
-        elapsed = time.perf_counter() - started
 
-        rewards = batch.rewards
+        # The whole batch's figures: every rank's share, in rank order.
+        share = {
+            "rewards": batch.rewards,
+            "correct": batch.correct,
+            "logprobs": batch.action_logprobs,
+            "errors": batch.errors,
+            "datums": len(datums),
+            "loss_sum": loss_sum,
+            "tokens": tokens,
+            "sampled": stats.sampled_tokens,
+            "sample_seconds": stats.seconds,
+            "kl_sample_train": loss_metrics.get("kl_sample_train_k3:mean"),
+            "kl_base": kl_base,
+        }
+        shares = self.collective.gather(share) if self.collective is not None else [share]
+        elapsed = time.perf_counter() - started
+        rewards = [r for s in shares for r in s["rewards"]]
+        correct = [c for s in shares for c in s["correct"]]
+        n_datums = sum(s["datums"] for s in shares)
+        loss_sum = sum(s["loss_sum"] for s in shares)
+        tokens = sum(s["tokens"] for s in shares)
+        sampled = sum(s["sampled"] for s in shares)
         metrics = {
             "reward/mean": mean(rewards),
             "reward/std": std(rewards),
             "episodes": float(len(rewards)),
-            "episodes/error_frac": batch.errors / len(rewards) if rewards else 0.0,
-            "datums": float(len(datums)),
+            "episodes/error_frac": sum(s["errors"] for s in shares) / len(rewards)
+            if rewards
+            else 0.0,
+            "datums": float(n_datums),
             "loss": loss_sum / tokens if tokens else 0.0,
             # -mean log p of the sampled tokens estimates the policy's entropy (exact in
             # expectation at temperature 1).
-            "entropy": -mean(batch.action_logprobs),
+            "entropy": -mean([lp for s in shares for lp in s["logprobs"]]),
             "grad_norm": opt["grad_norm"],
-            "sample/tokens": float(stats.sampled_tokens),
-            "sample/seconds": stats.seconds,
+            "sample/tokens": float(sampled),
+            # Ranks sample side by side: the step waited for the slowest.
+            "sample/seconds": max(s["sample_seconds"] for s in shares),
             "sample/wait_seconds": waited,
             "rollout/off_policy_steps": float(behind),
             "train/seconds": train_seconds,
-            "tokens_per_s": stats.sampled_tokens / elapsed if elapsed > 0 else 0.0,
+            "tokens_per_s": sampled / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed,
         }
-        if batch.correct:
-            metrics["accuracy"] = mean(batch.correct)
-        if "kl_sample_train_k3:mean" in loss_metrics:
-            metrics["kl/sample_train"] = loss_metrics["kl_sample_train_k3:mean"]
-        if kl_base is not None:
-            metrics["kl/base"] = kl_base
+        if correct:
+            metrics["accuracy"] = mean(correct)
+        for key, name in (("kl_sample_train", "kl/sample_train"), ("kl_base", "kl/base")):
+            weighted = [(s[key], s["datums"]) for s in shares if s[key] is not None]
+            if weighted:
+                weight = sum(w for _, w in weighted)
+                metrics[name] = (
+                    sum(v * w for v, w in weighted) / weight if weight else weighted[0][0]
+                )
+        if self.collective is not None:
+            metrics["dist/ranks"] = float(self.world)
+            metrics["dist/comm_seconds"] = self.collective.take_comm_seconds()
         return metrics
 
     def sft_datum(self, row: dict[str, Any]) -> Datum:
@@ -346,7 +418,7 @@ class TrainingLoop:
         assert self.order is not None
         started = time.perf_counter()
         indices = self.order.take(self.cursor, self.spec.batch_size)
-        datums = [self.sft_datum(self.rows[i]) for i in indices]
+        datums = [self.sft_datum(self.rows[indices[i]]) for i in self._mine(len(indices))]
         loss_sum, weight_sum, tokens = 0.0, 0.0, 0.0
         for start in range(0, len(datums), MICRO_BATCH):
             result = ops.forward_backward(
@@ -355,17 +427,26 @@ class TrainingLoop:
             loss_sum += result.metrics["loss:sum"]
             weight_sum += result.metrics["weights:sum"]
             tokens += sum(d.length for d in datums[start : start + MICRO_BATCH])
+        metrics: dict[str, float] = {}
+        if self.collective is not None:
+            self.collective.all_reduce_grads(self.policy.parameters())
+            shares = self.collective.gather((loss_sum, weight_sum, tokens))
+            loss_sum, weight_sum, tokens = (sum(s[i] for s in shares) for i in range(3))
+            metrics["dist/ranks"] = float(self.world)
         opt = ops.optim_step(self.policy, self.adam)
         self.cursor += len(indices)
         self.step += 1
         elapsed = time.perf_counter() - started
+        if self.collective is not None:
+            metrics["dist/comm_seconds"] = self.collective.take_comm_seconds()
         return {
             "loss": loss_sum / weight_sum if weight_sum else 0.0,
             "grad_norm": opt["grad_norm"],
-            "examples": float(len(datums)),
+            "examples": float(len(indices)),
             "epoch": self.cursor / len(self.rows),
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed,
+            **metrics,
         }
 
     # -- evaluation -------------------------------------------------------------------------
@@ -396,28 +477,30 @@ class TrainingLoop:
         """Train to `spec.steps`. Returns False when stopped early (cancel or lost lease)."""
         spec = self.spec
         ctx = self.ctx
+        lead = self.rank == 0
         resumed = self.resume()
         if not resumed:
             ctx.event(
                 f"{spec.method} on {self.env.name}: {spec.steps} steps, "
-                f"{'full fine-tuning' if spec.full_finetune else f'LoRA r={spec.lora.rank}'}",
-                {"steps": spec.steps},
+                f"{'full fine-tuning' if spec.full_finetune else f'LoRA r={spec.lora.rank}'}"
+                + (f", {self.world} ranks" if self.world > 1 else ""),
+                {"steps": spec.steps, "ranks": self.world},
             )
-            if spec.eval_every and not ctx.cancelled():
+            if spec.eval_every and not self._should_stop() and lead:
                 ctx.log_metrics(0, self.evaluate())
                 ctx.flush_metrics()
         while self.step < spec.steps:
-            if ctx.cancelled():
+            if self._should_stop():
                 return False
             metrics = self.rl_step() if spec.method == "rl" else self.sft_step()
-            if ctx.cancelled():
+            if self._should_stop():
                 # The step's results are dropped: the next attempt (if any) redoes it.
                 return False
             step = self.step
             evaluated = bool(spec.eval_every) and (
                 step % spec.eval_every == 0 or step == spec.steps
             )
-            if evaluated:
+            if evaluated and lead:
                 metrics.update(self.evaluate())
             ctx.log_metrics(step, metrics)
             checkpoint = step == spec.steps or bool(
@@ -427,12 +510,13 @@ class TrainingLoop:
                 # Before the checkpoint: a step it covers is never redone, so its metrics
                 # must already be stored when the checkpoint appears.
                 ctx.flush_metrics()
-            if checkpoint:
+            if checkpoint and lead:
                 self.save_checkpoint()
             ctx.heartbeat(step)
-        if ctx.cancelled():
+        if self._should_stop():
             return False
-        self.export()
+        if lead:
+            self.export()
         ctx.heartbeat(self.step, force=True)
         return True
 

@@ -6,18 +6,28 @@ the dataset file and its test split), takes the process's engine for the base mo
 Artifacts land in the job's workdir, which survives requeues: ``checkpoints/`` (with
 ``checkpoints.jsonl``), ``eval/``, ``adapter/`` (PEFT) or ``model/`` (full fine-tuning) and
 ``summary.json``.
+
+A job of several GPUs (on one node or, as a gang, across nodes) trains data-parallel, one rank
+per leased GPU (`workers.runners.distributed`): rank 0 here, in the leader's task, with the
+job's context; the others in `join`, each run by a ``join_job`` task on its GPU's node, with a
+`FollowerContext` that reports nothing (rank 0 logs the whole batch's metrics, evaluates,
+checkpoints and exports).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jobs import artifacts
 from jobs.models import Job
 from jobs.spec import JobSpec, parse_spec
 from training.engine import Engine
+from workers import conf, gang
 from workers.runners.adapters import load_peft_adapter
-from workers.runners.base import JobContext
+from workers.runners.base import JobContext, MemberLost
+from workers.runners.distributed import Collective, PeerLost
 from workers.runners.engines import engine_for, policy_from_spec
 from workers.runners.evaluation import run_eval
 from workers.runners.inputs import base_model_path, dataset_rows, eval_job_rows
@@ -60,6 +70,10 @@ def run(ctx: JobContext) -> None:
         _run_eval(ctx, spec, engine)
         return
     rows, eval_rows = dataset_rows(spec)
+    plan = gang.ranks(ctx.members)
+    collective = None
+    if len(plan) > 1:
+        collective = _host_ranks(ctx, len(plan), device)
     loop = TrainingLoop(
         ctx,
         spec,
@@ -67,8 +81,93 @@ def run(ctx: JobContext) -> None:
         rows=rows,
         eval_rows=eval_rows,
         policy_id=f"job-{ctx.job_id}-{ctx.attempt}",
+        collective=collective,
+    )
+    try:
+        loop.run()
+    except PeerLost as exc:
+        raise MemberLost(str(exc)) from exc
+    finally:
+        loop.close()
+        if collective is not None:
+            collective.close()
+
+
+def _host_ranks(ctx: JobContext, world: int, device: str) -> Collective:
+    try:
+        return Collective.host(
+            world=world,
+            device=device,
+            address=conf.node_address(),
+            publish=lambda address: gang.publish_rendezvous(ctx.job_id, ctx.attempt, address),
+            timeout_s=conf.gang_timeout(),
+        )
+    except PeerLost as exc:
+        raise MemberLost(str(exc)) from exc
+
+
+class FollowerContext:
+    """A follower rank's `LoopContext`: rank 0 reports for the whole gang and decides when it
+    stops, so this one only keeps a private scratch directory."""
+
+    def __init__(self, workdir: Path, attempt: int) -> None:
+        self.workdir = workdir
+        self.attempt = attempt
+
+    def cancelled(self) -> bool:
+        return False
+
+    def heartbeat(self, step: int | None = None, *, force: bool = False) -> None:
+        pass  # the member's heartbeat is `gang.MemberBeat`, independent of step length
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def flush_metrics(self) -> None:
+        pass
+
+    def discard_metrics_after(self, step: int) -> None:
+        pass
+
+    def event(self, message: str, data: Mapping[str, Any] | None = None) -> None:
+        pass
+
+
+def join(
+    job_id: str,
+    spec_data: dict[str, Any],
+    *,
+    attempt: int,
+    rank: int,
+    world: int,
+    device: str,
+    workdir: Path,
+    still_wanted: Callable[[], bool],
+) -> bool:
+    """Run rank ``rank`` of a gang's attempt until rank 0 says stop. False when the attempt
+    ended before this rank could join it (no rendezvous while the lease lasted)."""
+    spec = parse_spec(spec_data)
+    engine = engine_for(base_model_path(spec), device)
+    rows, _ = dataset_rows(spec)
+    timeout = conf.gang_timeout()
+    address = gang.wait_rendezvous(job_id, attempt, timeout_s=timeout, still_wanted=still_wanted)
+    if address is None:
+        return False
+    collective = Collective.join(
+        rendezvous=address, rank=rank, world=world, device=device, timeout_s=timeout
+    )
+    loop = TrainingLoop(
+        FollowerContext(workdir, attempt),
+        spec,
+        engine,
+        rows=rows,
+        eval_rows=[],
+        policy_id=f"job-{job_id}-{attempt}-rank{rank}",
+        collective=collective,
     )
     try:
         loop.run()
     finally:
         loop.close()
+        collective.close()
+    return True
