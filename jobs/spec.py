@@ -429,12 +429,12 @@ def _gang_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         return []
     if spec.gpus % per:
         return [("gpus_per_node", f"must divide gpus ({spec.gpus}): every rank the same size")]
-    if spec.runner == "verl":
+    if spec.runner == "verl" and spec.method == "sft":
         return [
             (
                 "gpus_per_node",
-                "verl across nodes is not launched yet (native rl and sft jobs are): give "
-                "gpus_per_node = gpus",
+                "verl's SFT trainer across nodes is not launched yet (verl RL and native jobs "
+                "are): give gpus_per_node = gpus",
             )
         ]
     return []

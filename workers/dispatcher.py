@@ -134,8 +134,7 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
             soft_time_limit=soft,
             time_limit=hard,
         )
-        if len(lease.gpu_ids) > 1 and gang.launches_followers(cand.spec):
-            _send_followers(cand, lease, soft, hard)
+        _send_followers(cand, lease, soft, hard)
     except Exception as exc:
         log.exception("could not send job %s to gpu.%s", cand.job_id, lease.node)
         table.release(lease)
@@ -152,21 +151,22 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
 
 
 def _send_followers(cand: Candidate, lease: Lease, soft: int, hard: int) -> None:
-    """``join_job`` for every rank but the leader's rank 0, each on its GPU's node's queue."""
-    plan = gang.ranks(lease.blocks)
-    for rank in plan[1:]:
+    """A ``join_job`` for every follower the job's lease calls for (`gang.followers`), each
+    on the queue of its node."""
+    world = len(gang.ranks(lease.blocks))
+    for member in gang.followers(cand.spec, lease.blocks):
         current_app.send_task(
             JOIN_JOB_TASK,
             args=[cand.job_id],
             kwargs={
                 "attempt": cand.attempt,
-                "node": rank.node,
-                "gpus": [rank.gpu],
+                "node": member.node,
+                "gpus": list(member.gpus),
                 "lease_token": lease.token,
-                "rank": rank.rank,
-                "world": len(plan),
+                "rank": member.rank,
+                "world": world,
             },
-            queue=node_queue(rank.node),
+            queue=node_queue(member.node),
             soft_time_limit=soft,
             time_limit=hard,
         )

@@ -6,10 +6,13 @@ node; each member trains one rank per leased GPU (`ranks`). In Redis, per attemp
 
 - ``ot:gang:<job>:<attempt>:rendezvous`` = "host:port" of rank 0's torch.distributed store,
   written by the leader once the store listens, read by the followers;
-- ``ot:gang:<job>:<attempt>:member:<rank>``: a follower's heartbeat, renewed every heartbeat
-  interval with the lease's TTL. The leader's `GangKeeper` renews the lease only while every
-  follower that has joined still beats: a member that stops loses the attempt, and the GPUs
-  of the whole gang go back with the one lease.
+- ``ot:gang:<job>:<attempt>:member:<rank>``: a follower's heartbeat (its pid), renewed every
+  heartbeat interval with the lease's TTL, and "done" once its part ended as it should. The
+  leader's `GangKeeper` renews the lease only while every follower that has joined still
+  beats or is done: a member that stops otherwise loses the attempt, and the GPUs of the
+  whole gang go back with the one lease;
+- ``ot:gang:<job>:<attempt>:ended``: set by a verl leader before it stops the job's Ray head,
+  so that a follower whose Ray node then stops knows it ended as it should.
 """
 
 from __future__ import annotations
@@ -32,20 +35,25 @@ __all__ = [
     "GangKeeper",
     "MemberBeat",
     "Rank",
+    "ended",
+    "followers",
     "launches_followers",
+    "mark_ended",
     "publish_rendezvous",
     "ranks",
     "wait_rendezvous",
 ]
 
 PREFIX = "ot:gang:"
+# A member key's value once the member's part ended as it should.
+DONE = "done"
 
 
 @dataclass(frozen=True)
 class Rank:
     rank: int
     node: str
-    gpu: int
+    gpus: tuple[int, ...]
 
 
 def ranks(blocks: Sequence[tuple[str, Sequence[int]]]) -> list[Rank]:
@@ -53,18 +61,30 @@ def ranks(blocks: Sequence[tuple[str, Sequence[int]]]) -> list[Rank]:
     out: list[Rank] = []
     for node, gpus in blocks:
         for gpu in gpus:
-            out.append(Rank(len(out), node, int(gpu)))
+            out.append(Rank(len(out), node, (int(gpu),)))
     return out
 
 
 def launches_followers(spec: dict[str, Any]) -> bool:
-    """True for jobs whose followers train ranks (native rl and sft); a smoke gang exercises
-    the lease alone and runs on its leader."""
-    return (
-        spec.get("method") in ("rl", "sft")
-        and spec.get("runner", "native") == "native"
-        and not spec.get("eval")
-    )
+    """True for jobs whose other members run part of the job: native rl and sft (a rank per
+    GPU), verl rl (a Ray node per follower node). A smoke gang exercises the lease alone and
+    runs on its leader."""
+    if spec.get("eval") or spec.get("method") not in ("rl", "sft"):
+        return False
+    return spec.get("runner", "native") in ("native", "verl")
+
+
+def followers(spec: dict[str, Any], blocks: Sequence[tuple[str, Sequence[int]]]) -> list[Rank]:
+    """The ``join_job`` tasks a job's lease calls for, each with its rank, node and GPUs.
+
+    Native: one rank per GPU but rank 0 (the leader's first GPU). verl: one Ray node per
+    follower node, numbered by its place among the lease's members (verl places its own
+    processes on the GPUs of each Ray node)."""
+    if not launches_followers(spec):
+        return []
+    if spec.get("runner", "native") == "verl":
+        return [Rank(i, node, tuple(gpus)) for i, (node, gpus) in enumerate(blocks) if i > 0]
+    return ranks(blocks)[1:]
 
 
 def _key(job_id: str, attempt: int, *parts: object) -> str:
@@ -125,13 +145,30 @@ class MemberBeat(threading.Thread):
             except Exception:
                 log.exception("could not write the heartbeat %s", self.key)
 
-    def stop(self) -> None:
+    def stop(self, *, done: bool) -> None:
+        """Stop beating. ``done``: this member's part of the attempt ended as it should (the
+        leader may still be exporting): its key says so until the leader clears the gang's
+        keys. Otherwise the key goes, and the leader sees the member stop."""
         self.stopping.set()
         self.join(timeout=5)
+        client = conf.get_redis()
         try:
-            conf.get_redis().delete(self.key)
+            if done:
+                client.set(self.key, DONE, px=int(conf.gang_timeout() * 2000))
+            else:
+                client.delete(self.key)
         except Exception:
-            log.exception("could not remove the heartbeat %s", self.key)
+            log.exception("could not update the heartbeat %s", self.key)
+
+
+def mark_ended(job_id: str, attempt: int) -> None:
+    """The leader ends the attempt's distributed part (verl: before it stops the Ray head):
+    a follower whose part stops now has ended as it should."""
+    conf.get_redis().set(_key(job_id, attempt, "ended"), "1", px=int(conf.gang_timeout() * 2000))
+
+
+def ended(job_id: str, attempt: int) -> bool:
+    return bool(conf.get_redis().exists(_key(job_id, attempt, "ended")))
 
 
 class GangKeeper(LeaseKeeper):
@@ -157,7 +194,7 @@ class GangKeeper(LeaseKeeper):
         client = conf.get_redis()
         job, attempt = self.lease.job_id, self.attempt
         for rank in self.follower_ranks:
-            alive = bool(client.exists(_key(job, attempt, "member", rank)))
+            alive = client.get(_key(job, attempt, "member", rank)) is not None
             if alive:
                 self.joined.add(rank)
             elif rank in self.joined:

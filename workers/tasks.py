@@ -73,9 +73,8 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         heartbeat_interval=conf.heartbeat_interval(),
     )
     keeper: LeaseKeeper = LeaseKeeper(table, lease, ctx.lose_lease)
-    plan = gang.ranks(members)
-    if len(plan) > 1 and gang.launches_followers(spec):
-        followers = [r.rank for r in plan if r.rank != 0]
+    followers = [r.rank for r in gang.followers(spec, members)]
+    if followers:
         keeper = gang.GangKeeper(
             table, lease, ctx.lose_lease, attempt=attempt, follower_ranks=followers
         )
@@ -137,7 +136,7 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
         if through_outage(lambda: table.release(lease), f"job {job_id}: release its GPUs"):
             audit.lease_ended(str(job_id), attempt, "released")
         through_outage(lambda: control.clear_cancel(str(job_id)), f"job {job_id}: clear flags")
-        if len(plan) > 1:
+        if followers:
             through_outage(lambda: gang.clear(str(job_id), attempt), f"job {job_id}: gang keys")
     through_outage(request_dispatch, "dispatch after a job")
     log.info("job %s attempt %s: %s", job_id, attempt, outcome)
@@ -155,9 +154,10 @@ def join_job(
     rank: int,
     world: int,
 ) -> str:
-    """Run follower rank ``rank`` of a gang's attempt on this node until the leader's rank 0
-    ends it. Not redelivered: a follower lost with its worker is the leader's to notice."""
-    from workers.runners import native
+    """Run follower ``rank`` of a job's attempt on this node until the leader ends it: a
+    data-parallel rank (native) or a node of the job's Ray cluster (verl). Not redelivered:
+    a follower lost with its worker is the leader's to notice."""
+    from workers.runners import native, verl
     from workers.runners.distributed import PeerLost
 
     table = GpuLockTable(conf.get_redis())
@@ -171,22 +171,38 @@ def join_job(
     row = Job.objects.filter(pk=job_id, attempt=attempt).values("spec").first()
     if row is None:
         return "stale"
+    spec: dict[str, Any] = row["spec"] or {}
     beat = gang.MemberBeat(str(job_id), attempt, rank)
     beat.beat()
     beat.start()
+    outcome = "failed"
     workdir = job_workdir(job_id) / "ranks" / f"{attempt}-{rank}"
     workdir.mkdir(parents=True, exist_ok=True)
+    devices = lease_devices(table, node, gpus)
     try:
-        joined = native.join(
-            str(job_id),
-            row["spec"] or {},
-            attempt=attempt,
-            rank=rank,
-            world=world,
-            device=lease_devices(table, node, gpus)[0],
-            workdir=workdir,
-            still_wanted=still_wanted,
-        )
+        if spec.get("runner") == "verl":
+            joined = verl.join(
+                str(job_id),
+                spec,
+                attempt=attempt,
+                rank=rank,
+                node=node,
+                gpus=list(gpus),
+                devices=devices,
+                workdir=workdir,
+                still_wanted=still_wanted,
+            )
+        else:
+            joined = native.join(
+                str(job_id),
+                spec,
+                attempt=attempt,
+                rank=rank,
+                world=world,
+                device=devices[0],
+                workdir=workdir,
+                still_wanted=still_wanted,
+            )
         outcome = "done" if joined else "no-rendezvous"
     except PeerLost as exc:
         log.warning("job %s rank %s: %s", job_id, rank, exc)
@@ -194,9 +210,8 @@ def join_job(
     except Exception:
         # The leader sees this rank leave (its collectives fail) and requeues the attempt.
         log.exception("job %s rank %s failed", job_id, rank)
-        outcome = "failed"
     finally:
-        beat.stop()
+        beat.stop(done=outcome in ("done", "no-rendezvous"))
     log.info("job %s attempt %s rank %s: %s", job_id, attempt, rank, outcome)
     return outcome
 

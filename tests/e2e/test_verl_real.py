@@ -26,7 +26,9 @@ from rest_framework.test import APIClient
 
 from jobs.models import Job, JobEvent, JobMetric, JobState
 from tests.fixtures.workers import TEST_LEASE_SECONDS, wait_for
+from workers import conf
 from workers.control import reap
+from workers.locktable import GpuLockTable
 from workers.runners.verl_process import job_processes, shm_segments_of
 
 VERL_VENV = Path(__file__).resolve().parents[2] / "var" / "verl-venv"
@@ -123,7 +125,11 @@ def run_job(
 
 
 def check_series_and_checkpoints(
-    client: APIClient, job_id: str, steps: int = STEPS, saved: tuple[int, ...] = (2, 3)
+    client: APIClient,
+    job_id: str,
+    steps: int = STEPS,
+    saved: tuple[int, ...] = (2, 3),
+    world: int = 1,
 ) -> dict[str, Any]:
     series = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["series"]
     # verl's own names, and the native runner's names for the same quantities.
@@ -148,7 +154,8 @@ def check_series_and_checkpoints(
     assert download.status_code == 200
     with zipfile.ZipFile(io.BytesIO(b"".join(download.streaming_content))) as zf:
         names = set(zf.namelist())
-    assert {"data.pt", "actor/model_world_size_1_rank_0.pt", "actor/fsdp_config.json"} <= names
+    shards = {f"actor/model_world_size_{world}_rank_{r}.pt" for r in range(world)}
+    assert {"data.pt", "actor/fsdp_config.json", *shards} <= names
     events = list(JobEvent.objects.filter(job_id=job_id).values_list("message", flat=True))
     assert f"verl saved checkpoint global_step_{saved[-1]}" in events
     return series
@@ -393,3 +400,67 @@ def test_a_verl_math_code_job_steps_its_sandboxed_episodes_through_the_agent_loo
     for name in ("critic/score/mean", "actor/grad_norm", "num_turns/mean", "loss"):
         assert [int(step) for step, _ in series[name]] == [1], (name, sorted(series))
     print(f"verl math_code job: {wall:.0f} s")
+
+
+def test_a_verl_job_across_two_nodes_trains_on_both_and_survives_losing_its_follower(
+    trainer: Any,
+    owner_client: APIClient,
+    addition_dataset: str,
+    redis_client: Any,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """`gpus: 2, gpus_per_node: 1` on two workers of one CPU slot each: the leader starts a
+    Ray head, the follower's `join_job` joins it as a second node, verl trains with
+    `trainer.nnodes=2`. Once global_step_1 (of 2) is saved the follower's process is SIGKILLed: its
+    heartbeat stops, the leader requeues the attempt, the next one forms a new cluster and
+    resumes verl from its checkpoint. Afterwards no process of either node's Ray is left and
+    no slot is held."""
+    segments_before = shm_segments()
+    leader, follower = trainer(node="ray-a"), trainer(node="ray-b")
+    spec = verl_spec(addition_dataset, steps=2, gpus=2, gpus_per_node=1, checkpoint_every=1)
+    job_id = submit(owner_client, spec)
+    wait_for(
+        lambda: (
+            JobEvent.objects.filter(
+                job_id=job_id, message="verl saved checkpoint global_step_1"
+            ).exists()
+            or Job.objects.filter(pk=job_id, state__in=FINAL).exists()
+        ),
+        600,
+        "global_step_1",
+        interval=0.5,
+    )
+    logs = leader.log()[-3000:] + follower.log()[-3000:]
+    assert Job.objects.get(pk=job_id).state == JobState.RUNNING, logs
+    beat = redis_client.get(f"ot:gang:{job_id}:1:member:1")
+    assert beat and beat != b"done", logs
+    import os
+    import signal
+
+    os.kill(int(beat), signal.SIGKILL)
+    wait_for(
+        lambda: Job.objects.filter(pk=job_id, state__in=FINAL).exists(),
+        600,
+        "the verl gang to end",
+        interval=1.0,
+    )
+    job = Job.objects.get(pk=job_id)
+    logs = leader.log()[-3000:] + follower.log()[-3000:]
+    assert (job.state, job.attempt) == (JobState.SUCCEEDED, 2), (job.error_message, logs)
+    assert sorted(job.gpus_held) == ["ray-a:0", "ray-b:0"]
+    events = list(JobEvent.objects.filter(job_id=job_id).values_list("message", "data"))
+    messages = [message for message, _ in events]
+    assert sum("a Ray cluster of 2 nodes" in m for m in messages) == 2, messages
+    assert any(m.startswith("requeued: rank 1 of the job stopped beating") for m in messages)
+    assert any(m.startswith("verl resumes from global_step_") for m in messages), messages
+    argv = [data["argv"] for message, data in events if message.startswith("verl on ")][-1]
+    assert "trainer.nnodes=2" in argv and "trainer.n_gpus_per_node=1" in argv
+    check_series_and_checkpoints(owner_client, job_id, steps=2, saved=(1, 2), world=2)
+    adapter = download_artifact(owner_client, job_id, "adapter", tmp_path / "adapter", steps=2)
+    check_adapter(adapter, tiny_model_dir)
+    assert_nothing_left(job_id, segments_before)
+    wait_for(lambda: not job_processes(f"{job_id}.1"), 30, "the follower's Ray to be gone")
+    snapshot = GpuLockTable(conf.get_redis()).snapshot()
+    assert not snapshot["leases"]
+    assert all(not snapshot["nodes"][n]["held"] for n in ("ray-a", "ray-b"))

@@ -153,8 +153,8 @@ def test_it_runs_envs_inline_unless_the_spec_names_the_env_queue():
         ({"method": "smoke", "gpus": 2, "gpus_per_node": 4}, "more than the job's 2 GPUs"),
         ({"method": "rl", **MATH, "gpus": 6, "gpus_per_node": 4}, "must divide gpus"),
         (
-            {"method": "rl", **MATH, "runner": "verl", "gpus": 4, "gpus_per_node": 2},
-            "verl across nodes is not launched yet",
+            {"method": "sft", **MATH, "runner": "verl", "gpus": 4, "gpus_per_node": 2},
+            "verl's SFT trainer across nodes is not launched yet",
         ),
         ({"method": "smoke", "gpus": 65}, "at most 64"),
     ],

