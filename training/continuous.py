@@ -7,7 +7,8 @@ batch is driven one step at a time: `add` prefills new rows (rows of one prompt 
 share that prefill) and merges their KV cache into the running one, `step` draws one token
 for every row and drops the rows that finished, and `drop` removes rows at any time.
 
-Sampling is `generate`'s: the same token choice (temperature, top-p, top-k, greedy at 0),
+Sampling is `generate`'s: the same token choice (temperature, top-p, top-k, greedy at 0,
+frequency and presence penalties, logit bias),
 logprobs of the untempered distribution, stop ids, stop strings and EOS, and a seeded row
 draws its own random stream whatever else is in the batch, joined early or late. Joining
 mid-decode needs a decoder that can merge caches (`FusedDecoder.join`, the Qwen2 and Llama
@@ -23,7 +24,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from training.decoder import decoder_for
-from training.sampler import _choose_tokens, _row_generator, _Uniforms, default_stop_ids
+from training.sampler import (
+    _choose_tokens,
+    _Penalties,
+    _row_generator,
+    _Uniforms,
+    default_stop_ids,
+)
 from training.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -94,6 +101,7 @@ class ContinuousBatch:
         self.top_p_B = torch.zeros(0, device=self.device)
         self.top_k_B = torch.zeros(0, dtype=torch.long, device=self.device)
         self.uniforms = _Uniforms([], self.device)
+        self.penalties = _Penalties([], self.vocab, self.device)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -114,6 +122,9 @@ class ContinuousBatch:
             )
         if row.topk < 0:
             raise ValueError("topk must not be negative")
+        bad = [t for t, _ in row.params.logit_bias if t >= self.vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary")
 
     @torch.no_grad()
     def add(self, rows: Sequence[Row]) -> list[int]:
@@ -167,6 +178,7 @@ class ContinuousBatch:
         self.uniforms.extend(
             [_row_generator(r.params.seed, r.sample_index, self.device) for r in rows]
         )
+        self.penalties.extend(_Penalties(params, self.vocab, self.device))
         idents = []
         for r in rows:
             idents.append(self._next)
@@ -201,6 +213,7 @@ class ContinuousBatch:
         index = torch.tensor(keep, device=self.device)
         self.decoder.select(self.state, index)
         self.uniforms.select(index, keep)
+        self.penalties.select(index)
         assert self.logits_B_V is not None
         self.logits_B_V = self.logits_B_V.index_select(0, index)
         self.next_pos_B, self.temperature_B, self.top_p_B, self.top_k_B = (
@@ -220,8 +233,14 @@ class ContinuousBatch:
         logits = self.logits_B_V
         any_filter = bool(((self.top_p_B < 1.0) | (self.top_k_B > 0)).any())
         tokens_B = _choose_tokens(
-            logits, self.temperature_B, self.top_p_B, self.top_k_B, self.uniforms, any_filter
+            self.penalties.apply(logits),
+            self.temperature_B,
+            self.top_p_B,
+            self.top_k_B,
+            self.uniforms,
+            any_filter,
         )
+        self.penalties.observe(tokens_B)
         logp_B_V = torch.log_softmax(logits, dim=-1)
         logprobs = logp_B_V.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1).tolist()
         max_topk = max(row.topk for row in self.rows)

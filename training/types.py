@@ -7,7 +7,7 @@ protocol can map onto them one to one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -137,6 +137,12 @@ class SamplingParams:
     """Stop strings: generation ends once the decoded text contains one."""
     stop_token_ids: tuple[int, ...] = ()
     """Stop token ids (the tokenizer's eos is added by the sampler)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated so far (OpenAI's)."""
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit once it has been generated at all (OpenAI's)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before the token is chosen."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -147,9 +153,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        # Accept lists from JSON while keeping the dataclass hashable.
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        # Accept lists (and a dict for the bias) from JSON while keeping the dataclass hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        raw: Any = self.logit_bias
+        bias = raw.items() if isinstance(raw, dict) else raw
+        pairs = tuple(sorted((int(t), float(b)) for t, b in bias))
+        for token, value in pairs:
+            if token < 0 or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias {token}: {value} (ids >= 0, biases in [-100, 100])")
+        object.__setattr__(self, "logit_bias", pairs)
 
 
 StopReason = Literal["stop", "length"]

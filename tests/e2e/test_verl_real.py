@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import time
 import zipfile
 from pathlib import Path
@@ -122,6 +124,21 @@ def run_job(
     job = Job.objects.get(pk=job_id)
     assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
     return job_id, time.monotonic() - started
+
+
+def wait_for_checkpoint(job_id: str, step: int) -> None:
+    """Until verl's `global_step_<step>` is indexed (or the job ended)."""
+    wait_for(
+        lambda: (
+            JobEvent.objects.filter(
+                job_id=job_id, message=f"verl saved checkpoint global_step_{step}"
+            ).exists()
+            or Job.objects.filter(pk=job_id, state__in=FINAL).exists()
+        ),
+        600,
+        f"global_step_{step}",
+        interval=0.5,
+    )
 
 
 def check_series_and_checkpoints(
@@ -235,17 +252,7 @@ def test_a_verl_lora_job_survives_a_killed_worker_and_hands_back_a_peft_adapter(
     worker = trainer()
     started = time.monotonic()
     job_id = submit(owner_client, verl_spec(addition_dataset, steps=steps))
-    wait_for(
-        lambda: (
-            JobEvent.objects.filter(
-                job_id=job_id, message="verl saved checkpoint global_step_2"
-            ).exists()
-            or Job.objects.filter(pk=job_id, state__in=FINAL).exists()
-        ),
-        600,
-        "global_step_2",
-        interval=0.5,
-    )
+    wait_for_checkpoint(job_id, 2)
     assert Job.objects.get(pk=job_id).state == JobState.RUNNING, worker.log()[-3000:]
     first_tree = job_processes(job_id)
     worker.kill()
@@ -420,24 +427,11 @@ def test_a_verl_job_across_two_nodes_trains_on_both_and_survives_losing_its_foll
     leader, follower = trainer(node="ray-a"), trainer(node="ray-b")
     spec = verl_spec(addition_dataset, steps=2, gpus=2, gpus_per_node=1, checkpoint_every=1)
     job_id = submit(owner_client, spec)
-    wait_for(
-        lambda: (
-            JobEvent.objects.filter(
-                job_id=job_id, message="verl saved checkpoint global_step_1"
-            ).exists()
-            or Job.objects.filter(pk=job_id, state__in=FINAL).exists()
-        ),
-        600,
-        "global_step_1",
-        interval=0.5,
-    )
+    wait_for_checkpoint(job_id, 1)
     logs = leader.log()[-3000:] + follower.log()[-3000:]
     assert Job.objects.get(pk=job_id).state == JobState.RUNNING, logs
     beat = redis_client.get(f"ot:gang:{job_id}:1:member:1")
     assert beat and beat != b"done", logs
-    import os
-    import signal
-
     os.kill(int(beat), signal.SIGKILL)
     wait_for(
         lambda: Job.objects.filter(pk=job_id, state__in=FINAL).exists(),

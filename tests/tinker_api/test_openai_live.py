@@ -82,7 +82,7 @@ def lora_job(team: Any, owner: Any, tinker_data_dir: Path, base_model_dir: Path)
 
 
 def test_it_answers_chat_and_completions_streaming_and_not(
-    server: str, owner_key: tuple[Any, str]
+    server: str, owner_key: tuple[Any, str], base_model_dir: Path
 ) -> None:
     api = client(server, owner_key[1])
     chat = api.chat.completions.create(
@@ -195,6 +195,38 @@ def test_it_answers_chat_and_completions_streaming_and_not(
     entries = chat_lp.choices[0].logprobs.content
     assert len(entries) == chat_lp.usage.completion_tokens
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0.0 for e in entries)
+
+    # logit_bias and the penalties reach the decoder: +100 on one token makes it the only one;
+    # a strong presence penalty keeps a greedy answer from repeating any token.
+    forced_id = 40
+    forced = api.completions.create(
+        model=BASE_NAME,
+        prompt="12+7=",
+        max_tokens=5,
+        temperature=1.0,
+        seed=2,
+        logit_bias={str(forced_id): 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.usage.completion_tokens == 5
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    assert forced.choices[0].text == tokenizer.decode([forced_id] * 5)
+    greedy = {"prompt": "12+7=", "max_tokens": 16, "temperature": 0, "logprobs": 0}
+    greedy["extra_body"] = {"ignore_eos": True}
+    plain = api.completions.create(model=BASE_NAME, **greedy)
+    fresh = api.completions.create(model=BASE_NAME, presence_penalty=2.0, **greedy)
+    plain_tokens = plain.choices[0].logprobs.tokens
+    fresh_tokens = fresh.choices[0].logprobs.tokens
+    assert len(fresh_tokens) == len(plain_tokens) == 16
+    assert fresh_tokens != plain_tokens
+    assert len(set(fresh_tokens)) > len(set(plain_tokens))
+    with pytest.raises(openai.BadRequestError) as bias_exc:
+        api.completions.create(
+            model=BASE_NAME, prompt="1+1=", max_tokens=2, logit_bias={"999999999": 5}
+        )
+    assert bias_exc.value.body["param"] == "logit_bias"
 
     # What only the worker can judge (the rendered prompt's length) is still a 400, stream or not.
     for stream_flag in (False, True):

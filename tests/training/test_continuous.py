@@ -137,3 +137,27 @@ def test_it_refuses_rows_that_cannot_run(tiny_model, tiny_tokenizer):
         batch.check(Row([10**6], SamplingParams()))
     with pytest.raises(ValueError, match="empty"):
         batch.check(Row([], SamplingParams()))
+
+
+def test_penalised_rows_joining_mid_decode_get_what_they_get_alone(tiny_model, tiny_tokenizer):
+    rows = [
+        Row(PROMPTS[0], SamplingParams(max_tokens=10, temperature=1.0, seed=1), stop_on_eos=False),
+        Row(
+            PROMPTS[1],
+            SamplingParams(
+                max_tokens=8, temperature=0.0, frequency_penalty=1.0, logit_bias={"11": 2.0}
+            ),
+            stop_on_eos=False,
+        ),
+        Row(
+            PROMPTS[2],
+            SamplingParams(max_tokens=6, temperature=1.0, seed=3, presence_penalty=2.0),
+            stop_on_eos=False,
+        ),
+    ]
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    got = _run(batch, {0: rows[:1], 2: [rows[1]], 4: [rows[2]]})
+    for ident, row in enumerate(rows):
+        assert got[ident] == _alone(tiny_model, tiny_tokenizer, row), ident
+    with pytest.raises(ValueError, match="logit_bias"):
+        batch.check(Row([1, 2], SamplingParams(logit_bias={10**7: 1.0})))

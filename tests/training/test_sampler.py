@@ -242,3 +242,71 @@ def test_it_rejects_bad_prompts_clearly(tiny_model, tiny_tokenizer):
     engine = Engine(tiny_model, tokenizer=tiny_tokenizer)
     with pytest.raises(KeyError):
         sample(engine, [SampleRequest([1, 2], policy_id="nope")])
+
+
+def _penalised_reference(model, prompt, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Greedy decoding by full forwards, OpenAI's penalties and bias applied by hand."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    bias = dict(params.logit_bias)
+    for _ in range(params.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+        adjusted = logits.clone()
+        for token, value in bias.items():
+            adjusted[token] += value
+        for token in set(tokens):
+            adjusted[token] -= params.frequency_penalty * tokens.count(token)
+            adjusted[token] -= params.presence_penalty
+        choice = int(adjusted.argmax())
+        tokens.append(choice)
+        logprobs.append(float(torch.log_softmax(logits, -1)[choice]))
+    return tokens, logprobs
+
+
+def test_penalties_and_logit_bias_steer_the_choice_and_leave_the_logprobs_the_models(
+    tiny_model, tiny_tokenizer
+):
+    prompt = [5, 17, 40, 41, 99]
+    plain = SamplingParams(max_tokens=12, temperature=0.0)
+    penalised = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        frequency_penalty=2.0,
+        presence_penalty=1.5,
+        logit_bias={"7": 3.0, 9: -100.0},
+    )
+    (base,), (seq,) = (
+        generate(tiny_model, tiny_tokenizer, [prompt], p, stop_on_eos=False)
+        for p in (plain, penalised)
+    )
+    tokens, logprobs = _penalised_reference(tiny_model, prompt, penalised)
+    assert seq.tokens == tokens
+    assert seq.tokens != base.tokens
+    assert seq.logprobs == pytest.approx(logprobs, abs=1e-4)
+    # A penalty that large forbids nothing but repeats: the greedy run repeats less.
+    assert len(set(seq.tokens)) > len(set(base.tokens))
+    assert 9 not in seq.tokens
+    forced = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias=((42, 100.0),))
+    (always,) = generate(tiny_model, tiny_tokenizer, [prompt], forced, stop_on_eos=False)
+    assert always.tokens == [42] * 6
+
+
+def test_penalties_of_one_row_change_no_other_row(tiny_model, tiny_tokenizer):
+    prompts = [[5, 17, 40, 41, 99], [8, 120]]
+    params = [
+        SamplingParams(max_tokens=10, temperature=1.0, seed=1, presence_penalty=2.0),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=2),
+    ]
+    together = generate(tiny_model, tiny_tokenizer, prompts, params, stop_on_eos=False)
+    for prompt, p, seq in zip(prompts, params, together, strict=True):
+        (alone,) = generate(tiny_model, tiny_tokenizer, [prompt], p, stop_on_eos=False)
+        assert seq.tokens == alone.tokens
+
+
+def test_sampling_params_check_penalties_and_bias():
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=2.5)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+    assert SamplingParams(logit_bias={"3": 1}).logit_bias == ((3, 1.0),)

@@ -118,12 +118,18 @@ def _parse(model: type[_Common], body: bytes) -> Any:
         raise ApiError(400, f"{param}: {first['msg']}", param or None) from exc
 
 
-def _unsupported(req: _Common) -> None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported by this server (only 0)", name)
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+def _logit_bias(req: _Common) -> dict[str, float]:
+    """OpenAI's logit_bias: token ids (as strings) to biases in [-100, 100]."""
+    out: dict[str, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id", f"logit_bias.{key}")
+        if not -100.0 <= value <= 100.0:
+            raise ApiError(
+                400, f"logit_bias: {value} for {key} is outside [-100, 100]", f"logit_bias.{key}"
+            )
+        out[str(int(key))] = float(value)
+    return out
 
 
 def _stop(req: _Common) -> list[str]:
@@ -144,6 +150,9 @@ def _params(req: _Common, max_tokens: int | None) -> dict[str, Any]:
         "seed": req.seed,
         "stop": _stop(req),
         "ignore_eos": req.ignore_eos,
+        "frequency_penalty": float(req.frequency_penalty or 0.0),
+        "presence_penalty": float(req.presence_penalty or 0.0),
+        "logit_bias": _logit_bias(req),
     }
 
 
@@ -165,7 +174,6 @@ def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
 
 def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     req = _parse(ChatRequest, body)
-    _unsupported(req)
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise ApiError(
@@ -198,7 +206,6 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
 
 def completion_op(body: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
     req = _parse(CompletionRequest, body)
-    _unsupported(req)
     if req.echo:
         raise ApiError(400, "echo is not supported by this server", "echo")
     if req.suffix:

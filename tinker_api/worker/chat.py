@@ -274,6 +274,11 @@ class ChatHandler:
                 top_p=float(sp["top_p"]),
                 seed=sp.get("seed"),
                 stop=stop,
+                frequency_penalty=float(sp.get("frequency_penalty") or 0.0),
+                presence_penalty=float(sp.get("presence_penalty") or 0.0),
+                logit_bias=tuple(
+                    (int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items()
+                ),
             )
             for j in range(n):
                 eos = not sp.get("ignore_eos")
@@ -282,6 +287,8 @@ class ChatHandler:
                     self.batch.check(row)
                 except ValueError as exc:
                     where = "messages" if f["mode"] == "chat" else "prompt"
+                    if str(exc).startswith("logit_bias"):
+                        where = "logit_bias"
                     raise BadRequest(str(exc), where) from exc
                 rows.append(row)
                 run.choices.append(
