@@ -40,7 +40,14 @@ class MembershipAdmin(admin.ModelAdmin):
 
 @admin.register(Quota)
 class QuotaAdmin(admin.ModelAdmin):
-    list_display = ["team", "max_gpus", "max_queued_jobs", "gpu_hours_per_month"]
+    list_display = [
+        "team",
+        "max_gpus",
+        "max_queued_jobs",
+        "gpu_hours_per_month",
+        "openai_requests_per_minute",
+        "openai_tokens_per_minute",
+    ]
     list_select_related = ["team"]
     raw_id_fields = ["team"]
     search_fields = ["team__slug"]

@@ -112,6 +112,13 @@ class Quota(models.Model):
     gpu_hours_per_month = models.FloatField(
         default=100.0, help_text="GPU-hours per calendar month (UTC)."
     )
+    openai_requests_per_minute = models.PositiveIntegerField(
+        default=0, help_text="Requests per minute to /v1 (chat and completions); 0: no limit."
+    )
+    openai_tokens_per_minute = models.PositiveIntegerField(
+        default=0,
+        help_text="Prompt + completion tokens per minute through /v1; 0: no limit.",
+    )
 
     objects = QuotaManager()
 
@@ -123,6 +130,8 @@ class Quota(models.Model):
             "max_gpus": self.max_gpus,
             "max_queued_jobs": self.max_queued_jobs,
             "gpu_hours_per_month": self.gpu_hours_per_month,
+            "openai_requests_per_minute": self.openai_requests_per_minute,
+            "openai_tokens_per_minute": self.openai_tokens_per_minute,
         }
 
 

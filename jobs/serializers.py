@@ -109,6 +109,8 @@ class QuotaLimitsSerializer(serializers.Serializer):
     max_gpus = serializers.IntegerField()
     max_queued_jobs = serializers.IntegerField()
     gpu_hours_per_month = serializers.FloatField()
+    openai_requests_per_minute = serializers.IntegerField(help_text="/v1 requests; 0: no limit.")
+    openai_tokens_per_minute = serializers.IntegerField(help_text="/v1 tokens; 0: no limit.")
 
 
 class QuotaUsageSerializer(serializers.Serializer):

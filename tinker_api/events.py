@@ -127,3 +127,45 @@ def take_slot(team_id: int, request_id: str, limit: int, hold_seconds: float) ->
 
 def release_slot(team_id: int, request_id: str) -> None:
     conf.get_redis().zrem(inflight_key(team_id), request_id)
+
+
+# Per-minute windows of a team's /v1 traffic: a request is admitted while the window's
+# requests are under ARGV[1] and its tokens under ARGV[2] (0: no limit); it then counts one
+# request. Tokens are charged when an answer ends (`charge_tokens`): usage is known then.
+_RATE = (
+    "local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]) "
+    "local used = tonumber(redis.call('GET', KEYS[2]) or '0') "
+    "local asked = tonumber(redis.call('GET', KEYS[1]) or '0') "
+    "if tpm > 0 and used >= tpm then return {0, asked, used} end "
+    "local n = redis.call('INCR', KEYS[1]) "
+    "redis.call('EXPIRE', KEYS[1], 120) "
+    "if rpm > 0 and n > rpm then redis.call('DECR', KEYS[1]) return {0, n - 1, used} end "
+    "return {1, n, used}"
+)
+RATE_WINDOW_SECONDS = 60
+
+
+def _rate_keys(team_id: int, now: float) -> tuple[str, str]:
+    window = int(now // RATE_WINDOW_SECONDS)
+    return f"{PREFIX}rate:{team_id}:{window}:requests", f"{PREFIX}rate:{team_id}:{window}:tokens"
+
+
+def take_rate(team_id: int, rpm: int, tpm: int) -> tuple[bool, int, int, float]:
+    """Admit one request under the team's per-minute limits: (admitted, requests and tokens
+    counted in this minute, seconds until the next minute)."""
+    now = time.time()
+    ok, requests, tokens = conf.get_redis().eval(
+        _RATE, 2, *_rate_keys(team_id, now), str(rpm), str(tpm)
+    )
+    left = RATE_WINDOW_SECONDS - now % RATE_WINDOW_SECONDS
+    return bool(ok), int(requests), int(tokens), left
+
+
+def charge_tokens(team_id: int, tokens: int) -> None:
+    if tokens <= 0:
+        return
+    _, key = _rate_keys(team_id, time.time())
+    pipe = conf.get_redis().pipeline()
+    pipe.incrby(key, int(tokens))
+    pipe.expire(key, 2 * RATE_WINDOW_SECONDS)
+    pipe.execute()

@@ -154,6 +154,9 @@ class QuotaLimits(_Model):
     max_gpus: int
     max_queued_jobs: int
     gpu_hours_per_month: float
+    openai_requests_per_minute: int = 0
+    """0: no limit."""
+    openai_tokens_per_minute: int = 0
 
 
 class QuotaUsage(_Model):

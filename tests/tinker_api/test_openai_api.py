@@ -9,6 +9,7 @@ model's stream (``tests/tinker_api/test_openai_live.py`` runs them for real).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,9 @@ def test_it_queues_one_op_for_the_policys_base_model_worker(
         "seed": 3,
         "stop": ["\n"],
         "ignore_eos": False,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
     }
     # The client that was given up on is marked gone, so a worker would skip the request.
     assert redis_client.exists(f"{futures.PREFIX}cancel:{op['rid']}")
@@ -391,3 +395,40 @@ def test_it_releases_streamed_text_only_once_it_is_final(base_model_dir: Path) -
     assert stream.stopped
     # "." and ". " could begin the stop string: they were held back, not sent and retracted.
     assert all(". " not in piece for piece in released)
+
+
+def test_it_limits_a_teams_requests_and_tokens_per_minute_by_its_quota(
+    served: Any,
+    door_only: None,
+    owner_key: tuple[Any, str],
+    outsider_key: tuple[Any, str],
+    redis_client: Any,
+) -> None:
+    from accounts.models import Quota
+
+    team = owner_key[0].team
+    Quota.objects.filter(team=team).update(openai_requests_per_minute=2)
+    body = {"model": BASE_NAME, "messages": QUESTION}
+    if 60 - time.time() % 60 < 3:
+        time.sleep(4)  # all three requests in one minute's window
+    assert [post(bearer(owner_key[1]), CHAT, body).status_code for _ in range(2)] == [503, 503]
+    refused = post(bearer(owner_key[1]), CHAT, body)
+    assert refused.status_code == 429, refused.content
+    assert error_of(refused)["code"] == "rate_limit_exceeded"
+    assert "2 requests per minute" in error_of(refused)["message"]
+    assert 1 <= int(refused["Retry-After"]) <= 60
+    assert refused["x-ratelimit-limit-requests"] == "2"
+    assert refused["x-ratelimit-remaining-requests"] == "0"
+    # Only the two admitted requests were queued.
+    assert len(queued_ops(redis_client)) == 2
+    # Another team's quota is its own.
+    assert post(bearer(outsider_key[1]), CHAT, body).status_code == 503
+
+    Quota.objects.filter(team=team).update(
+        openai_requests_per_minute=0, openai_tokens_per_minute=100
+    )
+    events.charge_tokens(team.pk, 100)
+    spent = post(bearer(owner_key[1]), CHAT, body)
+    assert spent.status_code == 429
+    assert "100 tokens per minute" in error_of(spent)["message"]
+    assert spent["x-ratelimit-remaining-tokens"] == "0"

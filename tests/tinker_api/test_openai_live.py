@@ -96,6 +96,11 @@ def test_it_answers_chat_and_completions_streaming_and_not(
     assert chat.usage.prompt_tokens > 5
     assert 3 <= chat.usage.completion_tokens <= 36
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    # The answer's tokens count against its team's tokens per minute.
+    from workers import conf
+
+    counted = conf.get_redis().scan_iter(match=f"*rate:{owner_key[0].team_id}:*:tokens")
+    assert sum(int(conf.get_redis().get(k) or 0) for k in counted) >= chat.usage.total_tokens
     # n samples of one seed differ from one another, and the same seed repeats them.
     again = api.chat.completions.create(
         model=BASE_NAME, messages=QUESTION, n=3, max_tokens=12, seed=5, temperature=1.0

@@ -98,6 +98,7 @@ def sample_job(
     texts = [""] * n
     ended: dict[int, dict[str, Any]] = {}
     over = False
+    tokens = 0
     try:
         for event in serving.follow(rid, served, silence_seconds=SILENCE_SECONDS):
             if event is None:
@@ -113,13 +114,14 @@ def sample_job(
                 ended[event["i"]] = event
             elif event["t"] == "done":
                 over = True
+                tokens = int((event.get("usage") or {}).get("total_tokens") or 0)
                 break
     finally:
         if not over:
             # Given up here (the database or Redis failed under us): the worker stops too.
             events.cancel(rid)
         events.discard(rid)
-        serving.finish(caller, rid)
+        serving.finish(caller, rid, tokens)
     missing = [i for i in range(n) if i not in ended]
     if missing:
         raise sampling.SamplerUnavailable(f"the model worker ended without samples {missing}")

@@ -23,6 +23,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from accounts.models import Quota
 from jobs import artifacts
 from jobs.models import BaseModel, Job
 from jobs.spec import SpecError, parse_spec
@@ -45,6 +46,15 @@ class UnknownModel(NotFound):
 
 class Busy(Exception):
     """No room now: the team's concurrency limit or the base model's queue (retry later)."""
+
+
+class RateLimited(Busy):
+    """The team's requests or tokens per minute (its quota) are used up until ``retry_after``."""
+
+    def __init__(self, message: str, *, retry_after: float, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.headers = headers
 
 
 class NotServable(Exception):
@@ -213,6 +223,7 @@ def submit(caller: Caller, served: Served, op: dict[str, Any], *, hold_seconds: 
     has its limit of requests in flight, or the base model's queue is full. The request
     counts against its team until ``finish`` (or ``hold_seconds``, if that never comes)."""
     request_id = futures.new_request_id()
+    _take_rate(caller)
     limit = team_concurrency()
     if not events.take_slot(caller.team_id, request_id, limit, hold_seconds):
         raise Busy(
@@ -238,9 +249,37 @@ def submit(caller: Caller, served: Served, op: dict[str, Any], *, hold_seconds: 
     return request_id
 
 
-def finish(caller: Caller, request_id: str) -> None:
-    """The request is answered (or its client is gone): it no longer counts for its team."""
+def _take_rate(caller: Caller) -> None:
+    quota = Quota.objects.filter(team_id=caller.team_id).first()
+    rpm = quota.openai_requests_per_minute if quota else 0
+    tpm = quota.openai_tokens_per_minute if quota else 0
+    if not rpm and not tpm:
+        return
+    ok, requests, tokens, left = events.take_rate(caller.team_id, rpm, tpm)
+    # OpenAI's rate-limit headers, for clients that pace themselves by them.
+    headers = {}
+    if rpm:
+        headers["x-ratelimit-limit-requests"] = str(rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, rpm - requests))
+        headers["x-ratelimit-reset-requests"] = f"{left:.0f}s"
+    if tpm:
+        headers["x-ratelimit-limit-tokens"] = str(tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, tpm - tokens))
+        headers["x-ratelimit-reset-tokens"] = f"{left:.0f}s"
+    if not ok:
+        what = f"{tpm} tokens per minute" if tpm and tokens >= tpm else f"{rpm} requests per minute"
+        raise RateLimited(
+            f"your team has used its {what} (its quota); retry in {left:.0f} s",
+            retry_after=left,
+            headers=headers,
+        )
+
+
+def finish(caller: Caller, request_id: str, tokens: int = 0) -> None:
+    """The request is answered (or its client is gone): it no longer counts for its team;
+    ``tokens`` (prompt + completion) count against its tokens per minute."""
     events.release_slot(caller.team_id, request_id)
+    events.charge_tokens(caller.team_id, tokens)
 
 
 def state(request_id: str) -> tuple[str, str] | None:

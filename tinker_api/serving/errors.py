@@ -7,6 +7,7 @@ clients wait for before they retry.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.http import JsonResponse
@@ -28,13 +29,22 @@ RETRY_AFTER_SECONDS = 1
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        *,
+        retry_after: float = RETRY_AFTER_SECONDS,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {
@@ -49,7 +59,9 @@ class ApiError(Exception):
     def response(self) -> JsonResponse:
         response = JsonResponse(self.body(), status=self.status)
         if self.status == 429:
-            response["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            response["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        for name, value in self.headers.items():
+            response[name] = value
         return response
 
 

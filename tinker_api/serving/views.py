@@ -139,9 +139,10 @@ def _relay(
     first: dict[str, Any],
     rest: Iterator[dict[str, Any] | None],
     rid: str,
-    release: Callable[[], None],
+    release: Callable[[int], None],
 ) -> Iterator[bytes]:
     finished = False
+    tokens = 0
     try:
         for chunk in answer.chunks(first):
             yield sse(chunk)
@@ -157,6 +158,7 @@ def _relay(
                 yield sse(chunk)
             if event["t"] == "done":
                 finished = True
+                tokens = _total_tokens(event.get("usage"))
                 yield sse("[DONE]")
                 return
     finally:
@@ -165,7 +167,11 @@ def _relay(
         if not finished:
             events.cancel(rid)
         events.discard(rid)
-        release()
+        release(tokens)
+
+
+def _total_tokens(usage: Any) -> int:
+    return int((usage or {}).get("total_tokens") or 0)
 
 
 def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
@@ -178,16 +184,33 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
     served = _resolve(caller, req.model)
     try:
         rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
+    except serving.RateLimited as exc:
+        raise ApiError(
+            429,
+            str(exc),
+            code="rate_limit_exceeded",
+            retry_after=exc.retry_after,
+            headers=exc.headers,
+        ) from exc
     except serving.Busy as exc:
         raise ApiError(429, str(exc), code="rate_limit_exceeded") from exc
+    released = False
+
+    def release(tokens: int = 0) -> None:
+        # Once: the answer's end (with its usage) or its abandonment, whichever comes first.
+        nonlocal released
+        if not released:
+            released = True
+            serving.finish(caller, rid, tokens)
+
     handed_over = False
     try:
-        response = _answer(req, op, kind, served, rid, lambda: serving.finish(caller, rid))
+        response = _answer(req, op, kind, served, rid, release)
         handed_over = isinstance(response, StreamingHttpResponse)
         return response
     finally:
         if not handed_over:
-            serving.finish(caller, rid)
+            release()
 
 
 def _answer(
@@ -196,7 +219,7 @@ def _answer(
     kind: Kind,
     served: serving.Served,
     rid: str,
-    release: Callable[[], None],
+    release: Callable[[int], None],
 ) -> HttpResponse:
     answer = Answer(
         kind,
@@ -229,6 +252,7 @@ def _answer(
         if event["t"] == "done":
             break
     events.discard(rid)
+    release(_total_tokens(answer.usage))
     return JsonResponse(answer.body())
 
 
