@@ -45,7 +45,7 @@ datasets: install
 # data directory (dataset files are named by row id, which the databases reuse). The verl
 # venv is built first (a no-op when its pins are unchanged); where it cannot be built the
 # verl tests skip, as the browser tests do without Chromium.
-VERL_LANE_A := vllm or two_nodes
+VERL_LANE_A := two_nodes
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
 	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
