@@ -44,12 +44,17 @@ datasets: install
 # subprocesses that train on one thread, so two lanes fill two cores. Each run has its own
 # data directory (dataset files are named by row id, which the databases reuse). The verl
 # venv is built first (a no-op when its pins are unchanged); where it cannot be built the
-# verl tests skip, as the browser tests do without Chromium.
-VERL_LANE_A := two_nodes
+# verl tests skip, as the browser tests do without Chromium. The verl job across two nodes (a
+# Ray cluster of two nodes on this host, two vLLM servers) runs last, alone: beside another
+# lane's verl job it doubles the memory and the time both need.
+VERL_LANE_A := gomoku or vllm
+VERL_ALONE := two_nodes
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
 	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
-	$(MAKE) -j2 --output-sync=target test-lane-a test-lane-b
+	$(MAKE) -j2 --output-sync=target test-lane-a test-lane-b; lanes=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_ALONE)" VERL_DATA=test-verl-alone; alone=$$?; \
+		test $$lanes -eq 0 -a $$alone -eq 0
 
 test-embedded:
 	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-embedded \
@@ -71,7 +76,7 @@ test-lane-a:
 
 test-lane-b:
 	@$(MAKE) --no-print-directory test-services; first=$$?; \
-		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A))" VERL_DATA=test-verl-b; second=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A) or $(VERL_ALONE))" VERL_DATA=test-verl-b; second=$$?; \
 		test $$first -eq 0 -a $$second -eq 0
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started

@@ -213,22 +213,33 @@ def _start_cluster(
         env=env,
         log_path=root / "ray-head.log",
     )
+
+    def wanted() -> bool:
+        return head.alive() and not ctx.cancelled()
+
     try:
-        gang.publish_rendezvous(ctx.job_id, ctx.attempt, address)
-        seen = verl_ray.wait_for_nodes(
-            address,
-            nodes,
-            env=env,
-            timeout_s=conf.gang_timeout(),
-            still_wanted=lambda: head.alive() and not ctx.cancelled(),
+        # Followers are told only once the head answers: one that came earlier could reach
+        # whatever else listened on the port meanwhile.
+        up = verl_ray.wait_for_nodes(
+            address, 1, env=env, timeout_s=conf.gang_timeout(), still_wanted=wanted
+        )
+        if up >= 1:
+            gang.publish_rendezvous(ctx.job_id, ctx.attempt, address)
+        seen = (
+            verl_ray.wait_for_nodes(
+                address, nodes, env=env, timeout_s=conf.gang_timeout(), still_wanted=wanted
+            )
+            if up >= 1
+            else 0
         )
     except BaseException:
         head.stop()
         raise
     if seen < nodes:
         head.stop()
-        if ctx.cancelled():
+        if ctx.stop_reason == "cancelled":
             raise JobCancelled()
+        # A lost follower, a head that died or never answered: the attempt is requeued.
         raise MemberLost(f"{seen} of the job's {nodes} Ray nodes came up:\n{head.tail()}")
     ctx.event(f"verl: a Ray cluster of {nodes} nodes at {address}", {"ray": address})
     return head, address
