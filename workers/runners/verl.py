@@ -218,19 +218,9 @@ def _start_cluster(
         return head.alive() and not ctx.cancelled()
 
     try:
-        # Followers are told only once the head answers: one that came earlier could reach
-        # whatever else listened on the port meanwhile.
-        up = verl_ray.wait_for_nodes(
-            address, 1, env=env, timeout_s=conf.gang_timeout(), still_wanted=wanted
-        )
-        if up >= 1:
-            gang.publish_rendezvous(ctx.job_id, ctx.attempt, address)
-        seen = (
-            verl_ray.wait_for_nodes(
-                address, nodes, env=env, timeout_s=conf.gang_timeout(), still_wanted=wanted
-            )
-            if up >= 1
-            else 0
+        gang.publish_rendezvous(ctx.job_id, ctx.attempt, address)
+        seen = verl_ray.wait_for_nodes(
+            address, nodes, env=env, timeout_s=conf.gang_timeout(), still_wanted=wanted
         )
     except BaseException:
         head.stop()
