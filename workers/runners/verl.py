@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -206,6 +207,10 @@ def _start_cluster(
     once every member's node has joined (else the attempt is requeued: `MemberLost`)."""
     nodes = nodes_of(ctx)
     n_procs = trainer_processes(ctx)
+    # Ray's token authentication, with a token of this attempt's own: the head, the driver
+    # and every follower (which gets it with the address, through Redis) use it, and no one
+    # else can join the cluster or run code on it.
+    env.update(verl_ray.auth_env(secrets.token_hex(32)))
     head, address = verl_ray.start_head(
         address=conf.node_address(),
         gpus=n_procs,
@@ -218,7 +223,9 @@ def _start_cluster(
         return head.alive() and not ctx.cancelled()
 
     try:
-        gang.publish_rendezvous(ctx.job_id, ctx.attempt, address)
+        gang.publish_rendezvous(
+            ctx.job_id, ctx.attempt, verl_ray.rendezvous(address, env[verl_ray.TOKEN_ENV])
+        )
         seen = verl_ray.wait_for_nodes(
             address, nodes, env=env, timeout_s=conf.gang_timeout(), still_wanted=wanted
         )
@@ -249,11 +256,12 @@ def join(
 ) -> bool:
     """A follower node of a verl gang: join the leader's Ray cluster with this node's GPUs
     and stay until the attempt ends (or the node's Ray stops). False when no cluster came."""
-    address = gang.wait_rendezvous(
+    published = gang.wait_rendezvous(
         job_id, attempt, timeout_s=conf.gang_timeout(), still_wanted=still_wanted
     )
-    if address is None:
+    if published is None:
         return False
+    address, token = verl_ray.parse_rendezvous(published)
     member = JobContext(
         job_id=job_id,
         attempt=attempt,
@@ -270,7 +278,7 @@ def join(
     clean_leftovers(marker, leftovers)
     ray_tmpdir = Path(tempfile.mkdtemp(prefix=f"ot-ray-{job_id[:8]}-{rank}-"))
     record_leftovers(leftovers, ray_tmpdir=str(ray_tmpdir))
-    env = {**trainer_env(member, ray_tmpdir), JOB_MARKER: marker}
+    env = {**trainer_env(member, ray_tmpdir), JOB_MARKER: marker, **verl_ray.auth_env(token)}
     n_procs = trainer_processes(member)
     ray_node = verl_ray.start_worker(
         head=address,

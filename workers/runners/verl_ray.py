@@ -23,12 +23,36 @@ from workers.processes import stop_process_group
 from workers.runners.verl_process import tool_python
 
 __all__ = [
+    "TOKEN_ENV",
     "RayNode",
+    "auth_env",
     "free_port",
+    "parse_rendezvous",
+    "rendezvous",
     "start_head",
     "start_worker",
     "wait_for_nodes",
 ]
+
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+
+
+def auth_env(token: str) -> dict[str, str]:
+    """Ray's token authentication with ``token`` (without it Ray 2.60 enables token auth on
+    its own once a token file exists in the home directory, and a member without that file
+    is refused)."""
+    return {"RAY_AUTH_MODE": "token", TOKEN_ENV: token}
+
+
+def rendezvous(address: str, token: str) -> str:
+    """What the leader publishes for its followers: the token and the head's address."""
+    return f"{token}@{address}"
+
+
+def parse_rendezvous(published: str) -> tuple[str, str]:
+    token, _, address = published.rpartition("@")
+    return address, token
+
 
 # Seconds a follower's raylet keeps trying to reach a head that went away before it exits.
 GCS_RECONNECT_SECONDS = 5
