@@ -45,9 +45,8 @@ datasets: install
 # data directory (dataset files are named by row id, which the databases reuse). The verl
 # venv is built first (a no-op when its pins are unchanged); where it cannot be built the
 # verl tests skip, as the browser tests do without Chromium. The verl job across two nodes (a
-# Ray cluster of two nodes on this host, two vLLM servers, ~8 min) is not part of `make test`:
-# beside another lane's verl job its follower once reached the other lane's Ray on the port
-# it was told, so it runs alone, by `make test-verl-multinode`.
+# Ray cluster of two nodes on this host, two vLLM servers, ~8 min, ~10 GiB) is not part of
+# `make test` (it would take CI past its time budget): `make test-verl-multinode` runs it.
 VERL_LANE_A := gomoku or vllm
 VERL_ALONE := two_nodes
 test: install
