@@ -24,13 +24,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from training.decoder import decoder_for
-from training.sampler import (
-    _choose_tokens,
-    _Penalties,
-    _row_generator,
-    _Uniforms,
-    default_stop_ids,
-)
+from training.penalties import Penalties
+from training.sampler import _choose_tokens, _row_generator, _Uniforms, default_stop_ids
 from training.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -101,7 +96,7 @@ class ContinuousBatch:
         self.top_p_B = torch.zeros(0, device=self.device)
         self.top_k_B = torch.zeros(0, dtype=torch.long, device=self.device)
         self.uniforms = _Uniforms([], self.device)
-        self.penalties = _Penalties([], self.vocab, self.device)
+        self.penalties = Penalties([], self.vocab, self.device)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -178,7 +173,7 @@ class ContinuousBatch:
         self.uniforms.extend(
             [_row_generator(r.params.seed, r.sample_index, self.device) for r in rows]
         )
-        self.penalties.extend(_Penalties(params, self.vocab, self.device))
+        self.penalties.extend(Penalties(params, self.vocab, self.device))
         idents = []
         for r in rows:
             idents.append(self._next)
