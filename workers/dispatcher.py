@@ -118,23 +118,13 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
         table.release(lease)
         return False
     audit.lease_acquired(lease, cand.attempt)
-    soft, hard = conf.task_time_limits(cand.spec)
     try:
-        current_app.send_task(
-            RUN_JOB_TASK,
-            args=[cand.job_id],
-            kwargs={
-                "attempt": cand.attempt,
-                "node": lease.node,
-                "gpus": list(lease.gpus),
-                "lease_token": lease.token,
-            },
-            queue=node_queue(lease.node),
-            task_id=task_id,
-            soft_time_limit=soft,
-            time_limit=hard,
-        )
-        _send_followers(cand, lease, soft, hard)
+        _send(RUN_JOB_TASK, cand, lease, lease.node, lease.gpus, task_id=task_id)
+        world = len(gang.ranks(lease.blocks))
+        # A join_job for every follower the lease calls for, each on its node's queue.
+        for member in gang.followers(cand.spec, lease.blocks):
+            extra = {"rank": member.rank, "world": world}
+            _send(JOIN_JOB_TASK, cand, lease, member.node, member.gpus, **extra)
     except Exception as exc:
         log.exception("could not send job %s to gpu.%s", cand.job_id, lease.node)
         table.release(lease)
@@ -150,26 +140,33 @@ def _start(table: GpuLockTable, cand: Candidate, lease: Lease) -> bool:
     return True
 
 
-def _send_followers(cand: Candidate, lease: Lease, soft: int, hard: int) -> None:
-    """A ``join_job`` for every follower the job's lease calls for (`gang.followers`), each
-    on the queue of its node."""
-    world = len(gang.ranks(lease.blocks))
-    for member in gang.followers(cand.spec, lease.blocks):
-        current_app.send_task(
-            JOIN_JOB_TASK,
-            args=[cand.job_id],
-            kwargs={
-                "attempt": cand.attempt,
-                "node": member.node,
-                "gpus": list(member.gpus),
-                "lease_token": lease.token,
-                "rank": member.rank,
-                "world": world,
-            },
-            queue=node_queue(member.node),
-            soft_time_limit=soft,
-            time_limit=hard,
-        )
+def _send(
+    task: str,
+    cand: Candidate,
+    lease: Lease,
+    node: str,
+    gpus: tuple[int, ...],
+    *,
+    task_id: str | None = None,
+    **extra: int,
+) -> None:
+    """One task of the attempt (``run_job`` or ``join_job``) to ``node``'s queue."""
+    soft, hard = conf.task_time_limits(cand.spec)
+    current_app.send_task(
+        task,
+        args=[cand.job_id],
+        kwargs={
+            "attempt": cand.attempt,
+            "node": node,
+            "gpus": list(gpus),
+            "lease_token": lease.token,
+            **extra,
+        },
+        queue=node_queue(node),
+        task_id=task_id,
+        soft_time_limit=soft,
+        time_limit=hard,
+    )
 
 
 def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None) -> list[str]:

@@ -45,7 +45,13 @@ class UnknownModel(NotFound):
 
 
 class Busy(Exception):
-    """No room now: the team's concurrency limit or the base model's queue (retry later)."""
+    """No room now: the team's concurrency limit or the base model's queue (retry later).
+
+    ``retry_after``: seconds the caller should wait; ``headers``: what the answer adds."""
+
+    retry_after: float = 1.0
+    # Shared and never mutated: RateLimited sets its own.
+    headers: dict[str, str] = {}
 
 
 class RateLimited(Busy):

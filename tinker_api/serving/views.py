@@ -184,7 +184,7 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
     served = _resolve(caller, req.model)
     try:
         rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
-    except serving.RateLimited as exc:
+    except serving.Busy as exc:
         raise ApiError(
             429,
             str(exc),
@@ -192,8 +192,6 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
             retry_after=exc.retry_after,
             headers=exc.headers,
         ) from exc
-    except serving.Busy as exc:
-        raise ApiError(429, str(exc), code="rate_limit_exceeded") from exc
     released = False
 
     def release(tokens: int = 0) -> None:
