@@ -135,6 +135,10 @@ def check_row(number: int, row: dict[str, Any], schema: DatasetSchema) -> list[R
             continue
         if col.non_empty and isinstance(value, str) and not value.strip():
             errors.append(RowError(number, col.name, "empty"))
+            continue
+        reason = col.check(value) if col.check is not None else None
+        if reason:
+            errors.append(RowError(number, col.name, reason))
     return errors
 
 

@@ -16,6 +16,8 @@ from typing import Any
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
 from environments.envs.bandit import BanditConfig, BanditGroupBuilder
+from environments.envs.geometry import GeometryConfig, check_images
+from environments.envs.geometry import make_builder as make_geometry_builder
 from environments.envs.gomoku import GomokuConfig, GomokuGroupBuilder, GomokuSelfPlayGroupBuilder
 from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
 from environments.envs.math_env import MathConfig, MathGroupBuilder
@@ -381,6 +383,45 @@ def _register_builtins() -> None:
                         (str,),
                         description="the game file, relative to the pool that "
                         "scripts/build_textworld_games.py builds",
+                    ),
+                )
+            ),
+        )
+    )
+
+    def geometry_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        try:
+            return make_geometry_builder(config, row, group_size)
+        except ValueError as exc:
+            raise ContractError("row.images", str(exc)) from exc
+
+    register(
+        EnvSpec(
+            "geometry",
+            DataSource.DATASET,
+            Interaction.SINGLE_TURN,
+            "A geometry3k-style problem: a diagram (an image: needs a vision-language base "
+            "model) and a question; reward 1 if the final answer equals the truth.",
+            GeometryConfig,
+            geometry_factory,
+            DatasetSchema(
+                (
+                    Column(
+                        "images",
+                        (list,),
+                        description="the diagrams: PNG or JPEG images, each as base64 or a "
+                        "data:image/...;base64 URI",
+                        check=check_images,
+                    ),
+                    Column(
+                        "problem",
+                        (str,),
+                        description="the question; <image> marks where an image goes",
+                    ),
+                    Column(
+                        "answer",
+                        (str, int, float),
+                        description="ground truth, compared for equivalence",
                     ),
                 )
             ),

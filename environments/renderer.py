@@ -9,9 +9,14 @@ prompt. Those observation tokens are context only (mask 0).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from environments import images
 from environments.types import Message
+
+# The placeholder a Qwen2-VL-family chat template writes for an image part.
+IMAGE_PLACEHOLDER = "<|image_pad|>"
 
 # A string no conversation contains, used to find where an assistant turn's content sits in the
 # rendered template.
@@ -23,15 +28,21 @@ class RendererError(ValueError):
 
 
 class Renderer:
-    """Render chats for one tokenizer. `tokenizer` is a transformers tokenizer (fast or slow)."""
+    """Render chats for one tokenizer. `tokenizer` is a transformers tokenizer (fast or slow).
 
-    def __init__(self, tokenizer: Any) -> None:
+    `image_tokens` (a vision-language model) gives the number of placeholder tokens an image
+    (PNG or JPEG bytes) fills: the template writes one placeholder per image part, and the
+    renderer repeats it that many times. Without it, a message with an image is refused.
+    """
+
+    def __init__(self, tokenizer: Any, image_tokens: Callable[[bytes], int] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise RendererError(
                 "the tokenizer has no chat template; set tokenizer.chat_template to the base "
                 "model's template"
             )
         self.tokenizer = tokenizer
+        self.image_tokens = image_tokens
         self._turn_end = self._find_turn_end()
 
     def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
@@ -75,9 +86,37 @@ class Renderer:
                 ids.add(end[0])
         return sorted(ids)
 
+    def _with_images(self, tokens: list[int], messages: list[Message]) -> list[int]:
+        """`tokens` with the placeholder of each image of `messages` repeated as many times
+        as the image fills."""
+        pictures = images.images_in(list(messages))
+        if not pictures:
+            return tokens
+        if self.image_tokens is None:
+            raise RendererError("this base model takes no images (it has no vision tower)")
+        placeholder = self.tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+        counts = iter([self.image_tokens(p) for p in pictures])
+        out: list[int] = []
+        for token in tokens:
+            if token == placeholder:
+                count = next(counts, None)
+                if count is None:
+                    raise RendererError(
+                        "the chat template wrote more image placeholders than images"
+                    )
+                out.extend([token] * count)
+            else:
+                out.append(token)
+        if next(counts, None) is not None:
+            raise RendererError(
+                f"the chat template wrote no {IMAGE_PLACEHOLDER} for an image: it takes no images"
+            )
+        return out
+
     def prompt_tokens(self, messages: list[Message]) -> list[int]:
         """The whole conversation plus the generation prompt: the first observation."""
-        return self.encode(self._render(messages, generation_prompt=True))
+        tokens = self.encode(self._render(messages, generation_prompt=True))
+        return self._with_images(tokens, messages)
 
     def action_text(self, action_tokens: list[int]) -> str:
         """The assistant message content for sampled tokens (end-of-turn token removed)."""
@@ -114,4 +153,4 @@ class Renderer:
             if piece and generated.endswith(piece) and suffix.startswith(piece):
                 suffix = suffix[len(piece) :]
                 break
-        return self.encode(suffix)
+        return self._with_images(self.encode(suffix), new_messages)

@@ -7,7 +7,9 @@ registry, depend on it and not on each other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,9 @@ class Column:
     types: tuple[type, ...]
     non_empty: bool = True
     description: str = ""
+    check: Callable[[Any], str | None] | None = None
+    """What is wrong with a value of the right type (None: nothing), e.g. an undecodable
+    image."""
 
     def type_names(self) -> str:
         names = dict.fromkeys("number" if t in (int, float) else t.__name__ for t in self.types)

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypedDict
 
+from environments.images import images_in
+
 
 class Message(TypedDict):
     role: str
-    content: str
+    content: Any
+    """Text, or a list of parts (`environments.images`: text and image parts)."""
 
 
 class DataSource(str, Enum):
@@ -196,6 +199,10 @@ class Trajectory:
             out.extend([0.0] * len(t.observation_tokens))
             out.extend(t.action_logprobs)
         return out
+
+    def images(self) -> list[bytes]:
+        """The images of the observations (PNG or JPEG bytes), in token order."""
+        return [image for t in self.turns for image in images_in(t.observation_messages)]
 
     def turn_index(self) -> list[int]:
         """For each token, the index of the turn it belongs to (for per-turn advantages)."""

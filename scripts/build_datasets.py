@@ -1,21 +1,28 @@
-"""Generate the small built-in datasets for `math` and `math_code` (offline, deterministic).
+"""Generate the small built-in datasets for `math`, `math_code` and `geometry` (offline,
+deterministic).
 
     .venv/bin/python scripts/build_datasets.py [--out environments/data] [--seed 1234] [--check]
 
-Writes {arith,word}_{train,test}.jsonl with rows {"id", "question", "answer", "kind"}. Test
-questions never appear in the train split. `--check` regenerates in memory and fails if the
-committed files differ (used by the tests to keep the files and this script in step).
+Writes {arith,word}_{train,test}.jsonl with rows {"id", "question", "answer", "kind"} (test
+questions never appear in the train split) and geometry_{train,test}.jsonl with geometry3k-shaped
+rows {"id", "images" (base64 PNG), "problem", "answer", "kind", "seed"} drawn from disjoint
+seeds. `--check` regenerates in memory and fails if the committed files differ (used by the
+tests to keep the files and this script in step).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import random
 import sys
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "environments" / "data"
@@ -159,8 +166,32 @@ def build(name: str, seed: int) -> dict[str, list[dict[str, str]]]:
     return splits
 
 
-def render(rows: list[dict[str, str]]) -> str:
+def render(rows: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+
+
+# geometry3k-shaped rows drawn by training.geometry: the splits are disjoint ranges of seeds
+# (and none of them is a seed the tiny vision-language model pre-trained on).
+GEOMETRY_SEEDS = {"test": range(128), "train": range(10_000, 10_512)}
+
+
+def geometry_rows(split: str) -> list[dict[str, Any]]:
+    from training import geometry
+
+    rows = []
+    for i, seed in enumerate(GEOMETRY_SEEDS[split]):
+        problem = geometry.problem(seed)
+        rows.append(
+            {
+                "id": f"geometry-{split}-{i:05d}",
+                "images": [base64.b64encode(problem.image).decode("ascii")],
+                "problem": problem.problem,
+                "answer": problem.answer,
+                "kind": problem.kind,
+                "seed": seed,
+            }
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,17 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stale: list[str] = []
-    for name in GENERATORS:
-        for split, rows in build(name, args.seed).items():
-            path = args.out / f"{name}_{split}.jsonl"
-            text = render(rows)
-            if args.check:
-                if not path.is_file() or path.read_text(encoding="utf-8") != text:
-                    stale.append(str(path))
-                continue
-            args.out.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path} ({len(rows)} rows, {len(text.encode())} bytes)")
+    built: list[tuple[str, str, list[dict[str, Any]]]] = [
+        (name, split, rows)
+        for name in GENERATORS
+        for split, rows in build(name, args.seed).items()
+    ]
+    built += [("geometry", split, geometry_rows(split)) for split in GEOMETRY_SEEDS]
+    for name, split, rows in built:
+        path = args.out / f"{name}_{split}.jsonl"
+        text = render(rows)
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+            continue
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path} ({len(rows)} rows, {len(text.encode())} bytes)")
     if stale:
         print("out of date (run scripts/build_datasets.py): " + ", ".join(stale), file=sys.stderr)
         return 1

@@ -79,8 +79,10 @@ class ContinuousBatch:
         self.decoder = decoder_for(model, host)
         self.can_join = hasattr(self.decoder, "join")
         self.device = next(model.parameters()).device
-        self.vocab = int(model.config.vocab_size)
-        self.positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.vocab = int(model.config.get_text_config().vocab_size)
+        self.positions = int(
+            getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0
+        )
         self.eos = set(default_stop_ids(model, tokenizer))
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0

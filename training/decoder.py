@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from training import vision
+
 if TYPE_CHECKING:
     from training.lora import LoRAHost
 
@@ -135,6 +137,80 @@ class _HFState:
     def __init__(self, cache: Any, mask_B_L: torch.Tensor) -> None:
         self.cache = cache
         self.mask_B_L = mask_B_L
+
+
+class VLDecoder:
+    """A vision-language model's own forward with a `DynamicCache`: the prompt's images go
+    through the vision tower at prefill, and every position is given explicitly in the
+    model's 3-D rotary form (`training.vision`). A generated token is text: its three
+    rotary components are equal, the row's next text position plus the offset its images
+    left (an image advances the position by its side, not by its token count)."""
+
+    def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
+        self.model = model
+        self.host = host
+
+    def prefill(
+        self,
+        input_ids_B_L: torch.Tensor,
+        mask_B_L: torch.Tensor,
+        positions_B_L: torch.Tensor,
+        keys_B: Sequence[str | None],
+        capacity: int,
+        images_B: Sequence[Sequence[vision.ImageInput]] | None = None,
+    ) -> tuple[torch.Tensor, _VLState]:
+        spec = vision.spec_of(self.model)
+        assert spec is not None
+        pixels, grid, mm = vision.batch_images(spec, input_ids_B_L, mask_B_L, images_B)
+        positions, deltas = vision.rope_positions(self.model, input_ids_B_L, mask_B_L, grid, mm)
+        config: Any = self.model.config
+        cache = DynamicCache(config=config)
+        with _route(self.host, keys_B):
+            out = self.model(
+                input_ids=input_ids_B_L,
+                attention_mask=mask_B_L,
+                position_ids=positions,
+                pixel_values=pixels,
+                image_grid_thw=grid,
+                mm_token_type_ids=mm,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1, :], _VLState(out.cache, mask_B_L, deltas)
+
+    def step(
+        self,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        keys_B: Sequence[str | None],
+        state: _VLState,
+    ) -> torch.Tensor:
+        mask = state.mask_B_L
+        state.mask_B_L = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        rope = (positions_B + state.deltas_B).view(1, -1, 1).expand(3, -1, -1)
+        with _route(self.host, keys_B):
+            out = self.model(
+                input_ids=tokens_B.unsqueeze(-1),
+                attention_mask=state.mask_B_L,
+                position_ids=rope,
+                cache=state.cache,
+                use_cache=True,
+            )
+        state.cache = out.cache
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def select(state: _VLState, index_B: torch.Tensor) -> None:
+        state.cache.batch_select_indices(index_B)
+        state.mask_B_L = state.mask_B_L.index_select(0, index_B)
+        state.deltas_B = state.deltas_B.index_select(0, index_B)
+
+
+class _VLState(_HFState):
+    def __init__(self, cache: Any, mask_B_L: torch.Tensor, deltas_B: torch.Tensor) -> None:
+        super().__init__(cache, mask_B_L)
+        self.deltas_B = deltas_B
 
 
 class _FusedState:
@@ -428,4 +504,6 @@ def decoder_for(model: nn.Module, host: LoRAHost | None = None) -> Decoder[Any]:
     """The fastest exact backend for `model`; `host` routes rows to LoRA adapters."""
     if FusedDecoder.supports(model):
         return FusedDecoder(model, host)
+    if vision.is_vision_model(model):
+        return VLDecoder(model, host)
     return HFDecoder(model, host)

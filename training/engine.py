@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from training import vision
 from training.lora import (
     ALL_LINEAR,
     DEFAULT_TARGET_MODULES,
@@ -53,6 +56,12 @@ class Engine:
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
+        # A vision-language model's image processor (None for a text-only model, or for a
+        # model built in memory: set it with the model's processor to pass images as files).
+        self.processor: Any = None
+        if self.base_path is not None and vision.is_vision_model(model):
+            self.processor = vision.load_processor(self.base_path)
+        self._images: OrderedDict[bytes, vision.ImageInput] = OrderedDict()
         # Wrap every Linear once, the output head included (LoRA on the unembedding); each
         # policy registers weights only on its own targets.
         wrapped = resolve_target_modules(model, ALL_LINEAR)
@@ -60,6 +69,29 @@ class Engine:
         self.host = LoRAHost(model, [*wrapped, head] if head else wrapped)
         self.policies: dict[str, Policy] = {}
         self._counter = itertools.count()
+
+    # Processed images kept by content: a group's episodes and every turn of a conversation
+    # show the same pictures again.
+    IMAGE_CACHE = 512
+
+    def encode_image(self, data: bytes) -> vision.ImageInput:
+        """An image (PNG or JPEG bytes) as the model's vision tower takes it."""
+        if self.processor is None:
+            raise ValueError("this base model takes no images (it has no image processor)")
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        image = self._images.get(key)
+        if image is None:
+            image = vision.encode_image(self.processor, data)
+            self._images[key] = image
+            while len(self._images) > self.IMAGE_CACHE:
+                self._images.popitem(last=False)
+        else:
+            self._images.move_to_end(key)
+        return image
+
+    def image_tokens(self, data: bytes) -> int:
+        """How many placeholder tokens the image fills in a sequence."""
+        return self.encode_image(data).tokens
 
     @property
     def device(self) -> torch.device:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training import onednn
+from training import onednn, vision
 
 # Projection names of Qwen2 / Llama / Mistral decoder layers.
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
@@ -257,8 +257,10 @@ def resolve_target_modules(model: nn.Module, target_modules: str | Iterable[str]
 
     `"all-linear"` selects every Linear except the output projection (as peft does);
     otherwise entries match a module name exactly or its last dotted components, so the
-    output projection is selected only by its name (LoRA on the unembedding).
+    output projection is selected only by its name (LoRA on the unembedding). The Linears of
+    a vision-language model's vision tower are never selected (`training.vision`).
     """
+    spec = vision.spec_of(model)
     output_layer: nn.Module | None = None
     get_output = getattr(model, "get_output_embeddings", None)
     if callable(get_output) and target_modules == ALL_LINEAR:
@@ -274,6 +276,8 @@ def resolve_target_modules(model: nn.Module, target_modules: str | Iterable[str]
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, linear_types) or module is output_layer:
+            continue
+        if vision.in_tower(name, spec):
             continue
         if target_modules == ALL_LINEAR or _matches(name, target_modules):
             names.append(name)

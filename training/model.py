@@ -101,14 +101,22 @@ def load_base(
     `device` defaults to CUDA when available; `dtype` to bf16 on capable GPUs, else float32.
     """
     _hub_off()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from training.vision import VISION_MODEL_TYPES
 
     base = resolve_base_path(path)
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(base), local_files_only=True, dtype=torch_dtype
+    config = AutoConfig.from_pretrained(str(base), local_files_only=True)
+    # A vision-language model (Qwen2-VL family) is an image-text-to-text model, not a causal
+    # LM in transformers' registry; its forward still gives next-token logits.
+    auto = (
+        AutoModelForImageTextToText
+        if config.model_type in VISION_MODEL_TYPES
+        else AutoModelForCausalLM
     )
+    model = auto.from_pretrained(str(base), local_files_only=True, dtype=torch_dtype)
     # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub type
     # takes the module as its first argument.
     model.to(target)  # type: ignore[arg-type]

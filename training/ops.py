@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training import packing
+from training import packing, vision
 from training.chunked_head import ChunkedLoRAHeadLogprob, ChunkedTargetLogprob, lora_head_logits
 from training.lora import MultiLoRALinear
 from training.losses import LOSSES, LossBatch, LossFn, get_loss
@@ -88,9 +88,11 @@ def _target_logprobs(
     valid: torch.Tensor,
     loss_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
+    images_B: list[tuple[vision.ImageInput, ...]] | None = None,
 ) -> torch.Tensor:
     """(B, T) log p(target | prefix), each row under its own policy; 0 on padding.
-    `position_ids` restart at 0 at each datum of a packed row (see `training.packing`)."""
+    `position_ids` restart at 0 at each datum of a packed row (see `training.packing`);
+    `images_B` are the images of each row of a vision-language model."""
     lora_rows = [i for i, p in enumerate(policies) if not p.is_full_finetune]
     groups: list[tuple[list[int], nn.Module, AbstractContextManager[None]]] = []
     if lora_rows:
@@ -109,15 +111,22 @@ def _target_logprobs(
     if len(groups) == 1:
         _, model, ctx = groups[0]
         with ctx:
-            return _logprobs_of(model, input_ids, targets, valid, loss_mask, position_ids)
+            return _logprobs_of(model, input_ids, targets, valid, loss_mask, position_ids, images_B)
     parts = []
     for rows, model, ctx in groups:
         index = torch.tensor(rows, device=input_ids.device)
         sub_mask = None if loss_mask is None else loss_mask[index]
         sub_positions = None if position_ids is None else position_ids[index]
+        sub_images = None if images_B is None else [images_B[i] for i in rows]
         with ctx:
             lp = _logprobs_of(
-                model, input_ids[index], targets[index], valid[index], sub_mask, sub_positions
+                model,
+                input_ids[index],
+                targets[index],
+                valid[index],
+                sub_mask,
+                sub_positions,
+                sub_images,
             )
         parts.append((index, lp))
     index = torch.cat([i for i, _ in parts])
@@ -213,6 +222,7 @@ def _logprobs_of(
     valid: torch.Tensor,
     loss_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
+    images_B: list[tuple[vision.ImageInput, ...]] | None = None,
 ) -> torch.Tensor:
     """Target log-probs of one model's rows.
 
@@ -221,7 +231,15 @@ def _logprobs_of(
     """
     batch, length = targets.shape
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+    model_type = getattr(config, "model_type", None)
+    if model_type in vision.VISION_MODEL_TYPES:
+        if position_ids is not None:
+            raise ValueError("packed rows are not supported for vision-language models")
+        hidden = vision.hidden_states(model, input_ids, valid, images_B)
+        return _head_of(cast("PreTrainedModel", model), hidden, targets, valid, loss_mask)
+    if images_B is not None and any(images_B):
+        raise ValueError(f"model type {model_type!r} has no vision tower: it cannot take images")
+    if model_type not in _PLAIN_HEAD_MODEL_TYPES:
         if position_ids is not None:
             raise ValueError("packed rows need a plain-head model type")
         logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
@@ -234,6 +252,18 @@ def _logprobs_of(
     hidden = hf_model.get_decoder()(
         input_ids=input_ids, position_ids=position_ids, use_cache=False
     ).last_hidden_state
+    return _head_of(hf_model, hidden, targets, valid, loss_mask)
+
+
+def _head_of(
+    hf_model: PreTrainedModel,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """(B, T) target log-probs from the last hidden states, through the model's output head."""
+    batch, length = targets.shape
     hidden_N_H = hidden.reshape(batch * length, -1)
     targets_N = targets.reshape(-1)
     head = hf_model.get_output_embeddings()
@@ -274,19 +304,29 @@ def _run(
     device = base_model.get_input_embeddings().weight.device
     input_ids, targets, inputs, valid = _collate(datums, device)
     grad = torch.enable_grad() if backward else torch.no_grad()
-    mask = valid * inputs["mask"] if "mask" in inputs else valid
+    spec = vision.spec_of(base_model)
+    images_B = [d.images for d in datums] if any(d.images for d in datums) else None
+    # An image placeholder is the model's input, not a token it could predict: no loss on it.
+    scored = valid if spec is None else valid * (targets != spec.image_token_id)
+    mask = scored * inputs["mask"] if "mask" in inputs else scored
     # Positions whose log-prob gets a gradient; a zero SFT weight contributes none.
     grad_mask = mask
     if fn is not None and fn is LOSSES["cross_entropy"]:
         grad_mask = mask * (inputs["weights"] != 0) if "weights" in inputs else mask
     loss_mask = grad_mask if fn is not None else None
     layout = None
-    if pack is not False and base_model.config.model_type in _PLAIN_HEAD_MODEL_TYPES:
+    if (
+        pack is not False
+        and spec is None
+        and base_model.config.model_type in _PLAIN_HEAD_MODEL_TYPES
+    ):
         lengths = [d.length for d in datums]
         layout = packing.plan(lengths, [p.id for p in policies], device, force=bool(pack))
     with grad:
         if layout is None:
-            logprobs = _target_logprobs(policies, input_ids, targets, valid, loss_mask)
+            logprobs = _target_logprobs(
+                policies, input_ids, targets, valid, loss_mask, None, images_B
+            )
         else:
             packed = _target_logprobs(
                 [policies[i] for i in layout.owner_datum],
@@ -297,6 +337,8 @@ def _run(
                 layout.position_ids,
             )
             logprobs = layout.scatter(packed, *targets.shape)
+        if spec is not None:
+            logprobs = logprobs * scored
         metrics: dict[str, torch.Tensor] = {}
         if fn is not None:
             loss, metrics = fn(LossBatch(logprobs, inputs, mask), loss_fn_config or {})

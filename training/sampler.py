@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from training.decoder import decoder_for
+from training import vision
+from training.decoder import VLDecoder, decoder_for
 from training.penalties import Penalties
 from training.types import SampledSequence, SamplingParams, StopReason
 
@@ -48,8 +49,11 @@ class SampleRequest:
     """None: the base model."""
     version: int | None = None
     """A published snapshot of `policy_id`; None: its live training weights."""
+    images: tuple[vision.ImageInput, ...] = ()
+    """The prompt's images (a vision-language model), in the order of their placeholders."""
 
     def __post_init__(self) -> None:
+        self.images = tuple(self.images)
         self.prompt_tokens = [int(t) for t in self.prompt_tokens]
         if not self.prompt_tokens:
             raise ValueError("prompt_tokens must not be empty")
@@ -188,9 +192,11 @@ def generate(
     sample_indices: Sequence[int] | None = None,
     stop_on_eos: bool | Sequence[bool] = True,
     topk_logprobs: int | Sequence[int] = 0,
+    images: Sequence[Sequence[vision.ImageInput]] | None = None,
 ) -> list[SampledSequence]:
     """Complete each prompt once; row i uses `params[i]` and LoRA adapter `adapters[i]`.
 
+    `images[i]`: the images of prompt i (a vision-language model), in placeholder order.
     `sample_indices[i]` distinguishes the seeded samples of one request (default: 0).
     `stop_on_eos=False` (for all rows or per row) decodes to `max_tokens` unless a stop
     id/string is given. `topk_logprobs` (for all rows or per row): at every generated
@@ -215,10 +221,13 @@ def generate(
         raise ValueError(f"stop_on_eos and topk_logprobs need one value per prompt ({n_rows})")
     if any(k < 0 for k in topk_rows):
         raise ValueError("topk_logprobs must not be negative")
+    row_images = [()] * n_rows if images is None else [tuple(i) for i in images]
+    if len(row_images) != n_rows:
+        raise ValueError(f"{len(row_images)} image lists for {n_rows} prompts")
 
     device = next(model.parameters()).device
-    vocab = int(model.config.vocab_size)
-    max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    vocab = int(model.config.get_text_config().vocab_size)
+    max_positions = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0)
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty")
@@ -250,12 +259,16 @@ def generate(
     pad_id = int(pad_id) if pad_id is not None else 0
     # Rows with the same prompt and adapter (the n samples of a request, a GRPO group) share
     # one prefill; the cache is then expanded to every row.
-    unique: dict[tuple[tuple[int, ...], str | None], int] = {}
+    unique: dict[tuple[tuple[int, ...], str | None, tuple[str, ...]], int] = {}
+    unique_images: list[tuple[vision.ImageInput, ...]] = []
     expand: list[int] = []
-    for prompt, key in zip(prompts, keys):
-        expand.append(unique.setdefault((tuple(int(t) for t in prompt), key), len(unique)))
-    unique_prompts = [prompt for prompt, _ in unique]
-    unique_keys = [key for _, key in unique]
+    for prompt, key, imgs in zip(prompts, keys, row_images):
+        ident = (tuple(int(t) for t in prompt), key, tuple(i.digest for i in imgs))
+        if ident not in unique:
+            unique_images.append(imgs)
+        expand.append(unique.setdefault(ident, len(unique)))
+    unique_prompts = [prompt for prompt, _, _ in unique]
+    unique_keys = [key for _, key, _ in unique]
     width = max(len(p) for p in unique_prompts)
     input_ids_U_L = torch.full((len(unique_prompts), width), pad_id, dtype=torch.long)
     mask_U_L = torch.zeros((len(unique_prompts), width), dtype=torch.long)
@@ -279,9 +292,16 @@ def generate(
 
     decoder = decoder_for(model, host)
     capacity = width + max(max_tokens)
-    logits_B_V, state = decoder.prefill(
-        input_ids_U_L, mask_U_L, positions_U_L, unique_keys, capacity
-    )
+    if isinstance(decoder, VLDecoder):
+        logits_B_V, state = decoder.prefill(
+            input_ids_U_L, mask_U_L, positions_U_L, unique_keys, capacity, unique_images
+        )
+    elif any(unique_images):
+        raise ValueError("this model has no vision tower: it cannot take images")
+    else:
+        logits_B_V, state = decoder.prefill(
+            input_ids_U_L, mask_U_L, positions_U_L, unique_keys, capacity
+        )
     logits_B_V = logits_B_V.float()
     next_pos_B = positions_U_L[:, -1] + 1
     if len(unique_prompts) < n_rows:
@@ -376,6 +396,7 @@ def sample(engine: Any, requests: Sequence[SampleRequest]) -> list[list[SampledS
             adapters=[key for _, _, key in rows],
             host=host,
             sample_indices=[j for _, j, _ in rows],
+            images=[requests[r].images for r, _, _ in rows],
         )
         for (r, j, _), seq in zip(rows, seqs):
             results[r, j] = seq
@@ -402,8 +423,10 @@ def sequence_logprobs(
     *,
     adapters: Sequence[str | None] | None = None,
     host: LoRAHost | None = None,
+    images: Sequence[Sequence[vision.ImageInput]] | None = None,
 ) -> list[list[float | None]]:
-    """Per sequence: None for the first token, then log p(z[t] | z[:t]) for every later one."""
+    """Per sequence: None for the first token, then log p(z[t] | z[:t]) for every later one.
+    `images[i]`: the images of sequence i (a vision-language model)."""
     if not sequences:
         return []
     device = next(model.parameters()).device
@@ -423,157 +446,17 @@ def sequence_logprobs(
         host.route(keys) if host is not None and any(k is not None for k in keys) else nullcontext()
     )
     with ctx:
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()  # (B, T, V)
+        logits = vision.logits(model, ids, mask, images).float()  # (B, T, V)
     logp_B_T = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1))
     logp_B_T = logp_B_T.squeeze(-1).cpu()
     return [[None, *logp_B_T[i, : len(seq) - 1].tolist()] for i, seq in enumerate(sequences)]
-
-
-@dataclass
-class PromptScoring:
-    """What to compute over one prompt's own tokens, in one forward pass.
-
-    Row i of every per-position output covers prompt position i + 1 (position 0 has no
-    preceding context); ``last_n`` limits `logprobs` and `topk` to the last n positions.
-    """
-
-    tokens: list[int]
-    adapter: str | None = None
-    """LoRAHost key; None: the base model."""
-    logprobs: bool = False
-    """log p(tokens[t] | tokens[:t]) per position (None at 0 and before `last_n`)."""
-    topk: int = 0
-    """The k most likely (token, logprob) pairs per position, most likely first."""
-    last_n: int | None = None
-    targets: torch.Tensor | None = None
-    """int64 (len(tokens) - 1, K) token ids to score at each position; -1 asks nothing."""
-    alt_k: int = 0
-    """Draw k tokens per position from the next-token distribution at `temperature`."""
-    temperature: float = 1.0
-    seed: int | None = None
-
-
-@dataclass
-class PromptScores:
-    logprobs: list[float | None] | None = None
-    topk: list[list[tuple[int, float]] | None] | None = None
-    target_logprobs: torch.Tensor | None = None
-    """float32, the shape of `targets`; 0.0 where the target was -1."""
-    alt_tokens: torch.Tensor | None = None
-    """int64 (len(tokens) - 1, alt_k)."""
-    alt_logprobs: torch.Tensor | None = None
-    """float32 (len(tokens) - 1, alt_k): the model's logprob (T=1) of each draw."""
-
-
-# Rows of one scoring forward are grouped so that their padded logits stay under this many
-# elements (float32), whatever the vocabulary.
-_SCORE_LOGITS_ELEMENTS = 1 << 27
-
-
-@torch.no_grad()
-def score_prompts(
-    model: Any, requests: Sequence[PromptScoring], *, host: LoRAHost | None = None
-) -> list[PromptScores]:
-    """Per request: prompt logprobs, top-k, target logprobs and alternative draws, all from
-    the log-softmax of the raw logits (the distribution `generate` reports logprobs of)."""
-    if not requests:
-        return []
-    device = next(model.parameters()).device
-    vocab = int(model.config.vocab_size)
-    for i, rq in enumerate(requests):
-        if len(rq.tokens) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in rq.tokens if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if rq.targets is not None:
-            if rq.targets.dim() != 2 or rq.targets.shape[0] != len(rq.tokens) - 1:
-                raise ValueError(
-                    f"prompt {i}: targets must have shape [{len(rq.tokens) - 1}, K], got "
-                    f"{list(rq.targets.shape)}"
-                )
-            if rq.targets.numel() and int(rq.targets.max()) >= vocab:
-                raise ValueError(
-                    f"prompt {i}: target token id {int(rq.targets.max())} outside the "
-                    f"vocabulary [0, {vocab})"
-                )
-    out: list[PromptScores] = [PromptScores() for _ in requests]
-    order = sorted(range(len(requests)), key=lambda i: len(requests[i].tokens))
-    group: list[int] = []
-    for i in order:
-        width = len(requests[i].tokens)
-        if group and (len(group) + 1) * width * vocab > _SCORE_LOGITS_ELEMENTS:
-            _score_group(model, requests, group, out, host, device)
-            group = []
-        group.append(i)
-    if group:
-        _score_group(model, requests, group, out, host, device)
-    return out
-
-
-def _score_group(
-    model: Any,
-    requests: Sequence[PromptScoring],
-    group: list[int],
-    out: list[PromptScores],
-    host: LoRAHost | None,
-    device: torch.device,
-) -> None:
-    width = max(len(requests[i].tokens) for i in group)
-    # Right padding: real tokens keep positions 0..n-1, padding sits after them.
-    ids = torch.zeros((len(group), width), dtype=torch.long)
-    mask = torch.zeros((len(group), width), dtype=torch.long)
-    for row, i in enumerate(group):
-        tokens = requests[i].tokens
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, : len(tokens)] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    keys = [requests[i].adapter for i in group]
-    ctx = (
-        host.route(keys) if host is not None and any(k is not None for k in keys) else nullcontext()
-    )
-    with ctx:
-        logits_B_T_V = model(input_ids=ids, attention_mask=mask).logits
-    for row, i in enumerate(group):
-        rq = requests[i]
-        n = len(rq.tokens)
-        # (n - 1, V): the distribution over prompt token t + 1 given tokens[: t + 1].
-        logits = logits_B_T_V[row, : n - 1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        scores = out[i]
-        first = 1 if rq.last_n is None else max(1, n - rq.last_n)
-        if rq.logprobs:
-            picked = logp.gather(-1, ids[row, 1:n].unsqueeze(-1)).squeeze(-1).tolist()
-            scores.logprobs = [None] * first + picked[first - 1 :]
-        if rq.topk:
-            k = min(rq.topk, logp.shape[-1])
-            top_lp, top_ids = logp[first - 1 :].topk(k, dim=-1)
-            scores.topk = [None] * first + [
-                list(zip(ids_row, lp_row))
-                for ids_row, lp_row in zip(top_ids.tolist(), top_lp.tolist())
-            ]
-        if rq.targets is not None:
-            targets = rq.targets.to(device)
-            values = logp.gather(-1, targets.clamp(min=0))
-            scores.target_logprobs = values.masked_fill(targets < 0, 0.0).cpu()
-        if rq.alt_k:
-            if n == 1:
-                draws = torch.zeros((0, rq.alt_k), dtype=torch.long, device=device)
-            elif rq.temperature == 0:
-                draws = logits.argmax(dim=-1, keepdim=True).expand(-1, rq.alt_k)
-            else:
-                probs = torch.softmax(logits / rq.temperature, dim=-1)
-                draws = torch.multinomial(
-                    probs, rq.alt_k, replacement=True, generator=_row_generator(rq.seed, 0, device)
-                )
-            scores.alt_tokens = draws.cpu()
-            scores.alt_logprobs = logp.gather(-1, draws).cpu()
 
 
 def compute_logprobs(
     engine: Any,
     adapter: str | tuple[str, int | None] | None,
     tokens: Sequence[int],
+    images: Sequence[vision.ImageInput] = (),
 ) -> list[float | None]:
     """Score a sequence: None, then log p(tokens[t] | tokens[:t]) under `adapter`.
 
@@ -585,5 +468,9 @@ def compute_logprobs(
     policy_id, version = _parse_adapter(adapter)
     model, key = _resolve(engine, policy_id, version)
     return sequence_logprobs(
-        model, [list(tokens)], adapters=[key], host=getattr(engine, "host", None)
+        model,
+        [list(tokens)],
+        adapters=[key],
+        host=getattr(engine, "host", None),
+        images=[tuple(images)] if images else None,
     )[0]

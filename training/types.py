@@ -7,9 +7,12 @@ protocol can map onto them one to one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from training.vision import ImageInput
 
 # Keys a Datum's loss_fn_inputs may carry. SFT sends weights; RL sends logprobs, advantages, mask.
 # gspo may add sequence_ratio_mask: the tokens that enter the sequence-level ratio.
@@ -44,8 +47,12 @@ class Datum:
     """Input token ids, shape (T,), int64."""
     loss_fn_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-position tensors, each of shape (T,)."""
+    images: tuple[ImageInput, ...] = ()
+    """Images of a vision-language model's input, in the order of their placeholder runs in
+    `model_input` (each fills `image.tokens` positions holding the image token id)."""
 
     def __post_init__(self) -> None:
+        self.images = tuple(self.images)
         self.model_input = _as_tensor(self.model_input, torch.long, "model_input")
         length = self.model_input.shape[0]
         if length == 0:

@@ -15,7 +15,8 @@ from tinker_api.worker.requests import Op, RequestError
 from tinker_api.worker.sampler_cache import SamplerCache
 from training.engine import Engine
 from training.policy import Policy
-from training.sampler import PromptScoring, generate, score_prompts
+from training.sampler import generate
+from training.scoring import PromptScoring, score_prompts
 from training.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class SamplingHandler:
     def _check_vocabulary(self, prompt: list[int], targets: list[list[int]] | None) -> None:
         """Token ids beyond the vocabulary fail their own request, not the whole batch."""
         model_config: Any = self.engine.model.config
-        vocab = int(model_config.vocab_size)
+        vocab = int(model_config.get_text_config().vocab_size)
         for where, ids in (("prompt", prompt), ("target_prompt_logprobs", targets or [])):
             flat = np.asarray(ids, dtype=np.int64).reshape(-1)
             if flat.size and int(flat.max()) >= vocab:

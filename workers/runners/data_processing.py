@@ -17,6 +17,7 @@ from training import rl
 from training.engine import Engine
 from training.sampler import sequence_logprobs
 from training.types import Datum
+from workers.runners.pictures import encode_all, images_of
 
 __all__ = [
     "RLBatch",
@@ -80,8 +81,11 @@ class RLBatch:
     action_logprobs: list[float] = field(default_factory=list)
 
 
-def rl_batch(spec: JobSpec, groups: Sequence[list[Trajectory]]) -> RLBatch:
-    """Advantages per group, then one datum per trajectory whose advantage is not all zero."""
+def rl_batch(
+    spec: JobSpec, groups: Sequence[list[Trajectory]], engine: Engine | None = None
+) -> RLBatch:
+    """Advantages per group, then one datum per trajectory whose advantage is not all zero.
+    `engine` processes the trajectories' images (a vision-language job)."""
     batch = RLBatch()
     for trajectories in groups:
         usable = [t for t in trajectories if t.turns]
@@ -100,7 +104,13 @@ def rl_batch(spec: JobSpec, groups: Sequence[list[Trajectory]]) -> RLBatch:
             # A zero advantage everywhere carries no gradient: skip the compute.
             if all(v == 0.0 for v in values):
                 continue
-            batch.datums.append(rl.trajectory_to_datum(traj.to_engine(), adv))
+            datum = rl.trajectory_to_datum(traj.to_engine(), adv)
+            pictures = traj.images()
+            if pictures:
+                if engine is None:
+                    raise ValueError("a trajectory with images needs the engine to process them")
+                datum.images = encode_all(engine, pictures)
+            batch.datums.append(datum)
     return batch
 
 
@@ -115,7 +125,11 @@ def apply_kl_penalty(engine: Engine, datums: list[Datum], kl_coef: float) -> flo
         [*d.model_input.tolist(), int(d.loss_fn_inputs["target_tokens"][-1])] for d in datums
     ]
     base = sequence_logprobs(
-        engine.model, sequences, adapters=[None] * len(sequences), host=engine.host
+        engine.model,
+        sequences,
+        adapters=[None] * len(sequences),
+        host=engine.host,
+        images=[d.images for d in datums] if any(d.images for d in datums) else None,
     )
     total, count = 0.0, 0.0
     for datum, base_lp in zip(datums, base, strict=True):
@@ -128,7 +142,11 @@ def apply_kl_penalty(engine: Engine, datums: list[Datum], kl_coef: float) -> flo
 
 
 def sft_datum(
-    renderer: Renderer, env_name: str, env_config: Mapping[str, Any], row: dict[str, Any]
+    renderer: Renderer,
+    env_name: str,
+    env_config: Mapping[str, Any],
+    row: dict[str, Any],
+    engine: Engine | None = None,
 ) -> Datum:
     """The env's own first observation, then the answer as the env grades it, boxed."""
     builder = build_group(
@@ -144,4 +162,7 @@ def sft_datum(
     tokens = prompt + answer
     # weights[j] belongs to target token j + 1: only answer tokens carry loss.
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-    return Datum.from_sequence(tokens, weights)
+    datum = Datum.from_sequence(tokens, weights)
+    if engine is not None and engine.processor is not None:
+        datum.images = images_of(engine, messages)
+    return datum

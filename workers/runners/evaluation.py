@@ -21,6 +21,7 @@ from training.engine import Engine
 from training.policy import Policy
 from workers.runners.data_processing import correct_flag, mean
 from workers.runners.loop_types import EVAL_DIR, SUMMARY_FILE, LoopContext, TrainingError
+from workers.runners.pictures import renderer_for
 from workers.runners.rollouts import play_groups
 
 __all__ = ["EVAL_SEED_OFFSET", "evaluate_snapshot", "run_eval"]
@@ -138,7 +139,7 @@ def run_eval(
     version = policy.snapshot() if policy is not None else None
     metrics = evaluate_snapshot(
         engine,
-        Renderer(engine.tokenizer),
+        renderer_for(engine),
         spec,
         eval_rows,
         policy=policy,

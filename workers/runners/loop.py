@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from environments.registry import get_env
-from environments.renderer import Renderer
 from environments.types import DataSource, Trajectory
 from jobs.spec import JobSpec
 from training import ops
@@ -63,6 +62,7 @@ from workers.runners.loop_types import (
     LoopContext,
     TrainingError,
 )
+from workers.runners.pictures import renderer_for
 from workers.runners.rollouts import RolloutStats, play_groups
 
 __all__ = ["MICRO_BATCH", "TrainingLoop"]
@@ -116,7 +116,7 @@ class TrainingLoop:
         self.rows = rows or []
         self.eval_rows = eval_rows or []
         self.order = DataOrder(len(self.rows), spec.seed) if self.is_dataset_env else None
-        self.renderer = Renderer(engine.tokenizer)
+        self.renderer = renderer_for(engine)
         self.workdir = Path(ctx.workdir)
         self.checkpoints = CheckpointDir(self.workdir / CHECKPOINT_DIR)
         self.adam = AdamParams(
@@ -328,7 +328,7 @@ class TrainingLoop:
         groups, stats = rollouts.groups, rollouts.stats
         # Steps between the weights that sampled and the weights that train (0: on-policy).
         behind = self.step - self._published_at[rollouts.version]
-        batch = rl_batch(spec, groups)
+        batch = rl_batch(spec, groups, self.engine)
         datums = batch.datums
         kl_base = (
             apply_kl_penalty(self.engine, datums, spec.algorithm.kl_coef)
@@ -412,7 +412,7 @@ class TrainingLoop:
 
     def sft_datum(self, row: dict[str, Any]) -> Datum:
         """The env's own first observation, then the answer as the env grades it, boxed."""
-        return sft_datum(self.renderer, self.env.name, self.spec.env_config, row)
+        return sft_datum(self.renderer, self.env.name, self.spec.env_config, row, self.engine)
 
     def sft_step(self) -> dict[str, float]:
         assert self.order is not None

@@ -30,6 +30,7 @@ from training.policy import Policy
 from training.sampler import SampleRequest, sample
 from training.types import SamplingParams
 from workers.runners.loop_types import TrainingError
+from workers.runners.pictures import images_of
 
 __all__ = ["InlineGroups", "RolloutStats", "SeedFn", "play_groups"]
 
@@ -110,7 +111,9 @@ def play_groups(
     """
     started = time.perf_counter()
     policy_id = policy.id if policy is not None else None
-    max_positions = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
+    max_positions = int(
+        getattr(engine.model.config.get_text_config(), "max_position_embeddings", 0) or 0
+    )
     counter = stats or RolloutStats()
 
     def params_for(inp: PolicyInput, seed: int) -> SamplingParams | None:
@@ -132,7 +135,10 @@ def play_groups(
         params = params_for(inp, seed_of(g, e, turn))
         if params is None:
             raise TrainingError("the conversation filled the model's context")
-        seq = sample(engine, [SampleRequest(inp.tokens, params, 1, policy_id, version)])[0][0]
+        request = SampleRequest(
+            inp.tokens, params, 1, policy_id, version, images_of(engine, inp.messages)
+        )
+        seq = sample(engine, [request])[0][0]
         counter.sampled_tokens += len(seq.tokens)
         return PolicyOutput(tokens=seq.tokens, logprobs=seq.logprobs)
 
@@ -182,7 +188,16 @@ def play_groups(
                     if params is None:
                         rec.fail("the conversation filled the model's context")
                         continue
-                    requests.append(SampleRequest(inp.tokens, params, 1, policy_id, version))
+                    requests.append(
+                        SampleRequest(
+                            inp.tokens,
+                            params,
+                            1,
+                            policy_id,
+                            version,
+                            images_of(engine, inp.messages),
+                        )
+                    )
                     rows.append((k, e, rec))
             if not requests:
                 break
