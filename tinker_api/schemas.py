@@ -52,15 +52,41 @@ class EncodedTextChunkJson(BaseModel):
     tokens: list[int]
 
 
-class NonTextChunkJson(BaseModel):
-    """Image, image pointer and audio chunks: parsed only to be refused with a clear error."""
+class ImageChunkJson(BaseModel):
+    """``ImageChunk``: the image's bytes (base64 in JSON) and its advisory token count."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image"] = "image"
+    data: str
+    format: str
+    expected_tokens: int | None = None
+
+
+class ImageAssetPointerChunkJson(BaseModel):
+    """``ImageAssetPointerChunk``: where the image is (a data URI, or a file under the
+    server's ``OPENTINKER_IMAGE_ASSET_ROOTS``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_asset_pointer"] = "image_asset_pointer"
+    format: str
+    location: str
+    expected_tokens: int | None = None
+
+
+class DmelChunkJson(BaseModel):
+    """Audio chunks: parsed only to be refused with a clear error."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["image", "image_asset_pointer", "dmel"]
+    type: Literal["dmel"]
 
 
-ChunkJson = Annotated[EncodedTextChunkJson | NonTextChunkJson, Field(discriminator="type")]
+ChunkJson = Annotated[
+    EncodedTextChunkJson | ImageChunkJson | ImageAssetPointerChunkJson | DmelChunkJson,
+    Field(discriminator="type"),
+]
 
 
 class ModelInputJson(BaseModel):

@@ -19,7 +19,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE_MODEL = str(REPO_ROOT / "models" / "tiny-chat")
 
 # Short names accepted wherever a base model path is, so specs and tests need no absolute paths.
-ALIASES: dict[str, str] = {"tiny": DEFAULT_BASE_MODEL, "tiny-chat": DEFAULT_BASE_MODEL}
+TINY_VL_MODEL = str(REPO_ROOT / "models" / "tiny-vl")
+ALIASES: dict[str, str] = {
+    "tiny": DEFAULT_BASE_MODEL,
+    "tiny-chat": DEFAULT_BASE_MODEL,
+    "tiny-vl": TINY_VL_MODEL,
+}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

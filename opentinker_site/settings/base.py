@@ -244,6 +244,13 @@ OPENTINKER_TINKER_TORCH_THREADS = read_int("OPENTINKER_TINKER_TORCH_THREADS", 2,
 OPENTINKER_TINKER_SEQ_GAP_SECONDS = read_int(
     "OPENTINKER_TINKER_SEQ_GAP_SECONDS", 120, minimum=1, maximum=24 * 3600
 )
+# Directories an ImageAssetPointerChunk may point into (a path list, os.pathsep-separated);
+# empty: asset pointers must carry their image as a data URI.
+OPENTINKER_IMAGE_ASSET_ROOTS: list[Path] = [
+    Path(p).resolve()
+    for p in env.str("OPENTINKER_IMAGE_ASSET_ROOTS", default="").split(os.pathsep)
+    if p
+]
 OPENTINKER_TINKER_GATHER_MS: int | None = (
     read_int("OPENTINKER_TINKER_GATHER_MS", 0, minimum=0, maximum=1000)
     if os.environ.get("OPENTINKER_TINKER_GATHER_MS", "") != ""

@@ -161,3 +161,12 @@ def save_vl_model(path: Any, architecture: str = "qwen2_5_vl") -> Any:
     tokenizer.save_pretrained(path)
     processor().save_pretrained(path)
     return path
+
+
+def solid(color: tuple[int, int, int], size: tuple[int, int] = (56, 56)) -> bytes:
+    """A PNG of one colour: pictures as different as pictures get."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()

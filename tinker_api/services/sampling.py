@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from tinker_api import futures, wire
+from tinker_api import futures, images, wire
 from tinker_api import schemas as s
 from tinker_api.models import Checkpoint, SamplingSession
 from tinker_api.services.lookups import (
@@ -118,13 +119,16 @@ def sample(
 ) -> tuple[str | None, list[str]]:
     """(request_id, sample_sequence_ids); request_id None means "queue full, retry"."""
     session = _request_sampling_session(caller, req)
-    prompt = wire.sample_prompt(req)
+    base = base_model(session.base_model)
+    count, image_token = images.counter_for(base.resolved_path())
+    prompt, pictures = wire.sample_prompt(
+        req, None if count is None else functools.partial(count, where="prompt"), image_token
+    )
     targets = (
         None
         if req.target_prompt_logprobs is None
         else wire.prompt_targets(req.target_prompt_logprobs, len(prompt))
     )
-    base = base_model(session.base_model)
     sp = req.sampling_params
     room = base.max_context - len(prompt)
     max_tokens = sp.max_tokens if sp.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
@@ -155,6 +159,7 @@ def sample(
                 "rid": request_id,
                 "target": target,
                 "prompt": prompt,
+                "images": [image.to_json() for image in pictures],
                 "n": req.num_samples,
                 "prompt_logprobs": bool(req.prompt_logprobs),
                 "topk_prompt": req.topk_prompt_logprobs,

@@ -12,8 +12,8 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from accounts.models import Quota
+from tinker_api import images, wire
 from tinker_api import schemas as s
-from tinker_api import wire
 from tinker_api.models import Checkpoint, TrainingModel
 from tinker_api.services.lookups import (
     Caller,
@@ -140,6 +140,8 @@ def forward_backward(
     model = get_model(caller, batch.model_id)
     with ordered(caller, model, batch.seq_id):
         base = base_model(model.base_model)
+        count, image_token = images.counter_for(base.resolved_path())
+        wire.expand_images(batch, count, image_token)
         wire.check_batch(batch, vocab_size(base.resolved_path()))
         if batch.loss_fn == "custom":
             raise wire.WireError(

@@ -16,7 +16,10 @@ from tinker_api.wire.forward_backward import (
     check_batch,
     decode_forward_backward,
     encode_forward_backward_output,
+    expand_images,
+    geometry_count,
 )
+from tinker_api.wire.images import ImageGeometry, WireImage, counter
 from tinker_api.wire.media import JSON, PROTOBUF, WireError, decompress, parse_json, wants_protobuf
 from tinker_api.wire.paths import model_id_for, parse_tinker_path, tinker_path
 from tinker_api.wire.replies import (
@@ -44,6 +47,7 @@ __all__ = [
     "PROTOBUF",
     "REQUIRED_INPUTS",
     "ForwardBackwardBatch",
+    "ImageGeometry",
     "PromptTargets",
     "ProvenanceSpan",
     "Reply",
@@ -51,14 +55,18 @@ __all__ = [
     "TensorOut",
     "WireDatum",
     "WireError",
+    "WireImage",
     "check_batch",
     "check_topk_sample",
+    "counter",
     "decode_forward_backward",
     "decompress",
     "encode_forward_backward_output",
     "encode_sample_response",
+    "expand_images",
     "expired",
     "future_created",
+    "geometry_count",
     "model_id_for",
     "model_input_tokens",
     "parse_json",

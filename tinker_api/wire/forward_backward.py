@@ -8,8 +8,9 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -17,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from tinker_api import _proto
 from tinker_api import schemas as s
+from tinker_api.wire.images import ImageGeometry, WireImage, counter, expand, image_chunk
 from tinker_api.wire.media import (
     DEFAULT_MAX_DECODED_BYTES,
     JSON,
@@ -29,7 +31,7 @@ from tinker_api.wire.media import (
 )
 from tinker_api.wire.tensors import (
     as_numpy,
-    model_input_tokens,
+    model_input_parts,
     non_text_chunk,
     tensor_from_json,
     tensor_from_proto,
@@ -88,6 +90,9 @@ class WireDatum:
     loss_fn_inputs: dict[str, np.ndarray]
     model_input_spans: list[ProvenanceSpan] | None = None
     loss_fn_input_spans: list[ProvenanceSpan] | None = None
+    images: list[WireImage] = field(default_factory=list)
+    """Image chunks; until `expand_images`, `tokens` holds the text tokens only."""
+    expanded: bool = True
 
     def torch_inputs(self) -> dict[str, torch.Tensor]:
         import torch
@@ -161,8 +166,23 @@ def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
     data = []
     for i, datum in enumerate(msg.data):
         tokens: list[int] = []
-        for chunk in datum.model_input:
+        pictures: list[WireImage] = []
+        for j, chunk in enumerate(datum.model_input):
             kind = chunk.WhichOneof("chunk")
+            if kind == "image":
+                image = chunk.image
+                fields = SimpleNamespace(
+                    data=image.data,
+                    format=image.format,
+                    expected_tokens=(
+                        image.expected_tokens if image.HasField("expected_tokens") else None
+                    ),
+                )
+                try:
+                    pictures.append(image_chunk(j, len(tokens), fields, pointer=False))
+                except WireError as exc:
+                    raise WireError(f"data[{i}].{exc}") from None
+                continue
             if kind != "encoded_text":
                 raise non_text_chunk(i, kind)
             tokens.extend(unpack(chunk.encoded_text.tokens, np.int32, f"data[{i}] tokens").tolist())
@@ -176,6 +196,8 @@ def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
                 loss_fn_inputs=inputs,
                 model_input_spans=_spans_from_proto(datum.model_input_spans),
                 loss_fn_input_spans=_spans_from_proto(datum.loss_fn_input_spans),
+                images=pictures,
+                expanded=not pictures,
             )
         )
     return ForwardBackwardBatch(
@@ -193,13 +215,16 @@ def _decode_json_forward_backward(raw: bytes) -> ForwardBackwardBatch:
     fbi = req.forward_backward_input
     data = []
     for i, datum in enumerate(fbi.data):
+        tokens, pictures = model_input_parts(datum.model_input, where=f"data[{i}]")
         data.append(
             WireDatum(
-                tokens=model_input_tokens(datum.model_input, where=f"data[{i}]"),
+                tokens=tokens,
                 loss_fn_inputs={
                     name: tensor_from_json(td, f"data[{i}].loss_fn_inputs[{name!r}]")
                     for name, td in datum.loss_fn_inputs.items()
                 },
+                images=pictures,
+                expanded=not pictures,
             )
         )
     return ForwardBackwardBatch(
@@ -246,6 +271,10 @@ def check_batch(batch: ForwardBackwardBatch, vocab_size: int | None = None) -> N
         raise WireError("no data: send at least one datum")
     required = REQUIRED_INPUTS[batch.loss_fn]
     for i, datum in enumerate(batch.data):
+        if not datum.expanded:
+            raise WireError(
+                f"data[{i}]: holds images, but the base model takes none (text-only model)"
+            )
         n = len(datum.tokens)
         if n == 0:
             raise WireError(f"data[{i}]: model_input has no tokens")
@@ -289,6 +318,42 @@ def check_batch(batch: ForwardBackwardBatch, vocab_size: int | None = None) -> N
             and sum(sp.length for sp in datum.model_input_spans) != n
         ):
             raise WireError(f"data[{i}].model_input_spans: lengths must add up to {n}")
+
+
+def expand_images(
+    batch: ForwardBackwardBatch,
+    count: Callable[[WireImage, str], int] | None,
+    image_token_id: int | None,
+) -> None:
+    """Put each datum's image placeholders in its tokens: `count(image, where)` gives the
+    positions an image fills (None: the base model takes no images)."""
+    for i, datum in enumerate(batch.data):
+        if datum.expanded:
+            continue
+        where = f"data[{i}].model_input"
+        if count is None or image_token_id is None:
+            chunk = datum.images[0].chunk
+            raise WireError(
+                f"{where}.chunks[{chunk}]: an image chunk, but the base model takes no "
+                "images (it is a text-only model)"
+            )
+        datum.tokens = expand(
+            datum.tokens,
+            datum.images,
+            lambda image, w=where: count(image, w),
+            image_token_id,
+            where,
+        )
+        datum.expanded = True
+
+
+def geometry_count(geometry: ImageGeometry) -> Callable[[WireImage, str], int]:
+    """`expand_images`'s counter from the image's size and the model's processor geometry."""
+
+    def count(image: WireImage, where: str) -> int:
+        return counter(geometry, where)(image)
+
+    return count
 
 
 def _check_token_ids(ids: np.ndarray, where: str, vocab_size: int) -> None:

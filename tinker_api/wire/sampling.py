@@ -7,7 +7,7 @@ top-k matrices are padded with the SDK's mask values.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,8 +15,9 @@ import numpy as np
 
 from tinker_api import _proto
 from tinker_api import schemas as s
+from tinker_api.wire.images import WireImage, expand
 from tinker_api.wire.media import JSON, PROTOBUF, EncodedBody, WireError
-from tinker_api.wire.tensors import TensorOut, dense_from_csr, model_input_tokens, shaped
+from tinker_api.wire.tensors import TensorOut, dense_from_csr, model_input_parts, shaped
 
 # Bound on what one sampling request may ask the server to compute and send back per
 # feature: prompt positions x top-k width (or x distinct target ids, or x draws), and
@@ -86,10 +87,23 @@ def prompt_targets(td: s.TensorDataJson, prompt_len: int) -> PromptTargets:
     return PromptTargets(ids=ids, csr=csr)
 
 
-def sample_prompt(req: s.SampleRequest) -> list[int]:
-    """The prompt tokens of an ``/asample`` request, after the checks the SDK makes on its
-    side (``sampling_client.py``) and the bounds on what one request may ask for."""
-    tokens = model_input_tokens(req.prompt)
+def sample_prompt(
+    req: s.SampleRequest,
+    count: Callable[[WireImage], int] | None = None,
+    image_token_id: int | None = None,
+) -> tuple[list[int], list[WireImage]]:
+    """The prompt tokens of an ``/asample`` request (each image's placeholders in place) and
+    its images, after the checks the SDK makes on its side (``sampling_client.py``) and the
+    bounds on what one request may ask for. `count` gives an image's positions (None: the
+    base model takes no images)."""
+    tokens, images = model_input_parts(req.prompt)
+    if images:
+        if count is None or image_token_id is None:
+            raise WireError(
+                f"prompt.chunks[{images[0].chunk}]: an image chunk, but the base model takes "
+                "no images (it is a text-only model)"
+            )
+        tokens = expand(tokens, images, count, image_token_id, "prompt")
     if not tokens:
         raise WireError("prompt has no tokens")
     if req.prompt_logprobs_last_n is not None:
@@ -108,7 +122,7 @@ def sample_prompt(req: s.SampleRequest) -> list[int]:
                 f"{name}: len(prompt) x {k} = {len(tokens) * k}, over the limit of "
                 f"{MAX_SCORE_CELLS}"
             )
-    return tokens
+    return tokens, images
 
 
 def check_topk_sample(req: s.SampleRequest, max_tokens: int) -> None:

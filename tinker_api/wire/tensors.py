@@ -15,6 +15,7 @@ import numpy as np
 
 from tinker_api import _proto
 from tinker_api import schemas as s
+from tinker_api.wire.images import WireImage, image_chunk
 from tinker_api.wire.media import WireError
 
 # A sparse input's dense shape is bounded separately: few bytes can name a huge shape.
@@ -22,22 +23,41 @@ MAX_DENSE_ELEMENTS = 1 << 26
 
 
 def model_input_tokens(model_input: s.ModelInputJson, *, where: str = "prompt") -> list[int]:
-    """Join the text chunks of a JSON ``ModelInput`` (sampling prompts, JSON datums)."""
+    """Join the text chunks of a JSON ``ModelInput`` that holds no image."""
+    tokens, images = model_input_parts(model_input, where=where)
+    if images:
+        raise WireError(f"{where}: image chunks are not accepted here")
+    return tokens
+
+
+def model_input_parts(
+    model_input: s.ModelInputJson, *, where: str = "prompt"
+) -> tuple[list[int], list[WireImage]]:
+    """The text tokens of a JSON ``ModelInput`` and its images (each placed after the text
+    tokens before it; `wire.images.expand` puts their placeholders in)."""
     tokens: list[int] = []
-    for chunk in model_input.chunks:
-        if not isinstance(chunk, s.EncodedTextChunkJson):
+    images: list[WireImage] = []
+    for i, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, s.EncodedTextChunkJson):
+            tokens.extend(chunk.tokens)
+        elif isinstance(chunk, (s.ImageChunkJson, s.ImageAssetPointerChunkJson)):
+            pointer = isinstance(chunk, s.ImageAssetPointerChunkJson)
+            try:
+                images.append(image_chunk(i, len(tokens), chunk, pointer=pointer))
+            except WireError as exc:
+                raise WireError(f"{where}.{exc}") from None
+        else:
             raise non_text_chunk(where, chunk.type)
-        tokens.extend(chunk.tokens)
     if any(t < 0 or t > np.iinfo(np.int32).max for t in tokens):
         raise WireError(f"{where}: token ids must be between 0 and 2**31-1")
-    return tokens
+    return tokens, images
 
 
 def non_text_chunk(where: int | str, kind: str | None) -> WireError:
     label = f"data[{where}]" if isinstance(where, int) else where
     return WireError(
-        f"{label}: {kind or 'empty'} chunks are not supported; this server serves text-only "
-        "models, so send token chunks (ModelInput.from_ints)"
+        f"{label}: {kind or 'empty'} chunks are not supported; send token chunks "
+        "(ModelInput.from_ints) and, for a vision-language model, image chunks"
     )
 
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+from typing import Any
+
 import numpy as np
 import torch
 
 from tinker_api import futures, wire
+from tinker_api.images import resolve_pointer
 from tinker_api.worker.requests import RequestError
+from training import vision
+from training.engine import Engine
 from training.types import Datum
 
 
@@ -55,7 +61,49 @@ def stable_inputs(d: wire.WireDatum, i: int, team: str) -> dict[str, np.ndarray]
     return {**d.loss_fn_inputs, "logprobs": logprobs, "mask": mask}
 
 
-def to_datums(batch: wire.ForwardBackwardBatch, team: str = "") -> list[Datum]:
+def expand_images(
+    batch: wire.ForwardBackwardBatch, engine: Engine
+) -> list[tuple[vision.ImageInput, ...]]:
+    """Each datum's image placeholders put in its tokens as the engine's image processor
+    counts them (a client's ``expected_tokens`` that differs is a WireError naming the chunk);
+    the processed images of each datum."""
+    processed: dict[int, vision.ImageInput] = {}
+
+    def count(image: wire.WireImage, where: str) -> int:
+        resolve_pointer(image, where)
+        assert image.data is not None
+        inp = engine.encode_image(image.data)
+        processed[id(image)] = inp
+        return inp.tokens
+
+    spec = vision.spec_of(engine.model)
+    usable = engine.processor is not None and spec is not None
+    wire.expand_images(
+        batch, count if usable else None, spec.image_token_id if spec is not None else None
+    )
+    return [tuple(processed[id(image)] for image in d.images) for d in batch.data]
+
+
+def prompt_images(fields: dict[str, Any], engine: Engine) -> tuple[vision.ImageInput, ...]:
+    """The processed images of a queued sampling op (``images``: base64 data and the
+    positions the web process counted for each)."""
+    out = []
+    for entry in fields.get("images") or []:
+        image = engine.encode_image(base64.b64decode(entry["data"]))
+        if image.tokens != int(entry["tokens"]):
+            raise RequestError(
+                f"prompt.chunks[{entry['chunk']}]: the image processor gives {image.tokens} "
+                f"tokens, the request was laid out with {entry['tokens']}"
+            )
+        out.append(image)
+    return tuple(out)
+
+
+def to_datums(
+    batch: wire.ForwardBackwardBatch,
+    team: str = "",
+    images: list[tuple[vision.ImageInput, ...]] | None = None,
+) -> list[Datum]:
     """A decoded batch as engine datums (tensors), each input one value per position."""
     out = []
     for i, d in enumerate(batch.data):
@@ -72,7 +120,11 @@ def to_datums(batch: wire.ForwardBackwardBatch, team: str = "") -> list[Datum]:
             inputs[name] = torch.from_numpy(np.ascontiguousarray(arr))
         try:
             out.append(
-                Datum(model_input=torch.tensor(d.tokens, dtype=torch.long), loss_fn_inputs=inputs)
+                Datum(
+                    model_input=torch.tensor(d.tokens, dtype=torch.long),
+                    loss_fn_inputs=inputs,
+                    images=images[i] if images is not None else (),
+                )
             )
         except ValueError as exc:
             raise RequestError(f"data[{i}]: {exc}") from exc

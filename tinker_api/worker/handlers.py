@@ -15,7 +15,7 @@ from tinker_api import futures, wire
 from tinker_api.models import Checkpoint
 from tinker_api.services import checkpoints
 from tinker_api.worker import exports
-from tinker_api.worker.datums import pad_inputs, to_datums
+from tinker_api.worker.datums import expand_images, pad_inputs, to_datums
 from tinker_api.worker.policies import Policies
 from tinker_api.worker.requests import Op, RequestError, fail_request
 from tinker_api.worker.sampler_cache import SamplerCache
@@ -159,11 +159,14 @@ class TrainingHandlers:
                     op.body or b"",
                     content_type=op.fields.get("ctype"),
                     forward_only=forward_only,
+                    check=False,
                 )
+                pictures = expand_images(batch, self.policies.engine)
+                wire.check_batch(batch)
                 team = ""
                 if batch.loss_fn == "stable_reinforce":
                     team = str((futures.get(op.rid) or {}).get("team", ""))
-                datums = to_datums(batch, team)
+                datums = to_datums(batch, team, pictures)
                 policy = self.policies.serving(op.model)
                 prepared.append((op, batch, datums, policy))
             except Exception as exc:  # every failure is reported, by fail_request

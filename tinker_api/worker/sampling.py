@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tinker_api import futures, wire
+from tinker_api.worker.datums import prompt_images
 from tinker_api.worker.requests import Op, RequestError
 from tinker_api.worker.sampler_cache import SamplerCache
 from training.engine import Engine
@@ -40,7 +41,9 @@ class SamplingHandler:
         rows_index: list[int] = []
         rows_eos: list[bool] = []
         rows_topk: list[int] = []
+        rows_images: list[tuple[Any, ...]] = []
         owners: list[tuple[Op, list[int], str | None, list[int]]] = []
+        op_images: dict[int, tuple[Any, ...]] = {}
         try:
             for op in ops:
                 f = op.fields
@@ -58,6 +61,7 @@ class SamplingHandler:
                     )
                     prompt = [int(t) for t in f["prompt"]]
                     self._check_vocabulary(prompt, f.get("targets"))
+                    pictures = prompt_images(f, self.engine)
                 except (RequestError, ValueError, KeyError) as exc:
                     futures.fail(op.rid, str(exc), "user")
                     continue
@@ -70,6 +74,8 @@ class SamplingHandler:
                     rows_index.append(j)
                     rows_eos.append(bool(sp.get("stop_on_eos", True)))
                     rows_topk.append(int(sp.get("topk") or 0))
+                    rows_images.append(pictures)
+                op_images[id(op)] = pictures
                 owners.append((op, rows, key, prompt))
             if not owners:
                 return
@@ -84,8 +90,9 @@ class SamplingHandler:
                     sample_indices=rows_index,
                     stop_on_eos=rows_eos,
                     topk_logprobs=rows_topk,
+                    images=rows_images if any(rows_images) else None,
                 )
-                scored = self._score_prompts(owners)
+                scored = self._score_prompts(owners, op_images)
             except Exception as exc:
                 log.exception("sampling batch failed")
                 for op, *_ in owners:
@@ -126,7 +133,9 @@ class SamplingHandler:
                 )
 
     def _score_prompts(
-        self, owners: list[tuple[Op, list[int], str | None, list[int]]]
+        self,
+        owners: list[tuple[Op, list[int], str | None, list[int]]],
+        op_images: dict[int, tuple[Any, ...]],
     ) -> dict[int, dict[str, Any]]:
         """One forward over the prompts of the requests that ask for prompt logprobs, top-k
         prompt logprobs, target logprobs or alternative draws; per request (by ``id(op)``),
@@ -152,6 +161,7 @@ class SamplingHandler:
                 alt_k=int(f.get("alt_k") or 0),
                 temperature=float(f["params"]["temperature"]),
                 seed=f["params"].get("seed"),
+                images=op_images.get(id(op), ()),
             )
             if scoring.logprobs or scoring.topk or scoring.alt_k or targets is not None:
                 wants.append((op, targets))
