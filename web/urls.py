@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from .views import common, datasets, job_detail, jobs, keys, pool, teams
+from .views import common, datasets, job_detail, jobs, keys, pool, teams, transcripts
 
 app_name = "web"
 
@@ -15,6 +15,11 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/metrics.json", job_detail.job_metrics, name="job_metrics"),
     path("jobs/<uuid:job_id>/cancel/", jobs.job_cancel, name="job_cancel"),
     path("jobs/<uuid:job_id>/sample/", job_detail.job_sample, name="job_sample"),
+    path(
+        "jobs/<uuid:job_id>/eval/<str:name>",
+        transcripts.job_transcript,
+        name="job_transcript",
+    ),
     path("keys/", keys.keys, name="keys"),
     path("keys/<int:pk>/rotate/", keys.key_rotate, name="key_rotate"),
     path("keys/<int:pk>/revoke/", keys.key_revoke, name="key_revoke"),
