@@ -60,6 +60,8 @@ class EnvSpec:
     schema: DatasetSchema | None = None
     choices: Callable[[], dict[str, list[str]]] | None = None
     """The values a setting may take when only the environment's library knows them."""
+    needs_images: bool = False
+    """Its observations hold images: only a vision-language base model can play it."""
 
     @property
     def cell(self) -> tuple[str, str]:
@@ -73,6 +75,7 @@ class EnvSpec:
             "interaction": self.interaction.value,
             "description": self.description,
             "dataset_columns": self.schema.describe() if self.schema else None,
+            "needs_images": self.needs_images,
             "config_schema": TypeAdapter(self.config_cls).json_schema(mode="serialization"),
             "choices": self.choices() if self.choices else {},
         }
@@ -425,6 +428,7 @@ def _register_builtins() -> None:
                     ),
                 )
             ),
+            needs_images=True,
         )
     )
 

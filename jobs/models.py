@@ -6,6 +6,7 @@ UPDATE there, so the model has no state-changing methods.
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -202,3 +203,12 @@ class BaseModel(models.Model):
         """The model directory on this host (resolved at call time, never stored absolute)."""
         path = Path(self.path).expanduser()
         return path if path.is_absolute() else Path(settings.BASE_DIR) / path
+
+    def takes_images(self) -> bool | None:
+        """Whether the model has a vision tower (its config names an image token); None
+        when its config cannot be read on this host."""
+        try:
+            config = json.loads((self.resolved_path() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return config.get("image_token_id") is not None

@@ -25,13 +25,35 @@ def check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
     model = BaseModel.objects.filter(name=parsed.base_model).first()
     if model is not None and model.enabled:
         # Every submission path (API, web form, admin, scripts) meets the registry's limits.
-        return check_base_model_limits(
+        errors = check_base_model_limits(
             parsed, max_lora_rank=model.max_lora_rank, max_context=model.max_context
         )
+        return errors + _check_images(parsed, model)
     available = ", ".join(BaseModel.objects.enabled().values_list("name", flat=True)) or "none"
     reason = "is disabled" if model is not None else "is not a registered base model"
     return [
         {"field": "base_model", "reason": f"{parsed.base_model!r} {reason}; available: {available}"}
+    ]
+
+
+def _check_images(parsed: JobSpec, model: BaseModel) -> list[dict[str, str]]:
+    """An environment that shows images needs a base model with a vision tower."""
+    try:
+        needs = parsed.env is not None and get_env(parsed.env).needs_images
+    except ContractError:
+        return []  # the env check names an unknown env
+    if not needs or model.takes_images() is not False:
+        return []
+    vision = (
+        ", ".join(m.name for m in BaseModel.objects.enabled() if m.takes_images())
+        or "none registered"
+    )
+    return [
+        {
+            "field": "base_model",
+            "reason": f"env {parsed.env!r} shows the policy images, and {model.name!r} is a "
+            f"text-only model; use a vision-language base model ({vision})",
+        }
     ]
 
 

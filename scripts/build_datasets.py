@@ -204,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stale: list[str] = []
     built: list[tuple[str, str, list[dict[str, Any]]]] = [
-        (name, split, rows)
-        for name in GENERATORS
-        for split, rows in build(name, args.seed).items()
+        (name, split, rows) for name in GENERATORS for split, rows in build(name, args.seed).items()
     ]
     built += [("geometry", split, geometry_rows(split)) for split in GEOMETRY_SEEDS]
     for name, split, rows in built:

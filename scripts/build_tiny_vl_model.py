@@ -80,7 +80,7 @@ STOP_ACCURACY = 0.3
 # Seeds of the geometry problems: training, validation (the stop rule) and held-out test.
 TRAIN_SEEDS = range(1_000_000, 2_000_000)
 VAL_SEEDS = range(100, 300)
-TEST_SEEDS = range(0, 100)
+TEST_SEEDS = range(100)
 TEXT_EVERY = 4
 
 

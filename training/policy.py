@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from training import peft_io
+from training import peft_io, vision
 from training.lora import ALL_LINEAR, LoRAHost, resolve_target_modules, unwrap_linears
 
 if TYPE_CHECKING:
@@ -312,6 +313,10 @@ class Policy:
         weights = self.version_weights(version)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        spec = vision.spec_of(self.host.model)
+        # A vision tower's Linears share names with the language model's (gate_proj...); the
+        # adapter adapts the language model only, so peft must leave the tower alone.
+        exclude = None if spec is None else rf"{re.escape(spec.tower_prefix)}\..*"
         peft_config = LoraConfig(
             r=self.config.rank,
             # peft annotates lora_alpha as int, yet only divides it by r: a float alpha is kept.
@@ -321,6 +326,7 @@ class Policy:
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=self.base_model_name,
+            exclude_modules=exclude,
         )
         peft_config.save_pretrained(str(out))
         return peft_io.write_adapter_weights(

@@ -62,9 +62,7 @@ def test_it_shows_each_episode_with_its_images_and_answer(
         "step-000002.jsonl",
         [
             _episode([images.image_part(png), images.text_part("Find <b>x</b>.")]),
-            _episode(
-                [{"type": "image", "image": "data:text/html;base64,PHNjcmlwdD4="}], "no", 0.0
-            ),
+            _episode([{"type": "image", "image": "data:text/html;base64,PHNjcmlwdD4="}], "no", 0.0),
             _episode("plain <script>text</script>"),
         ],
     )
