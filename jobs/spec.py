@@ -515,6 +515,10 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         errors.append(("runner", "eval jobs run on the native runner"))
     if spec.env is not None and pairs_episodes(spec.env, spec.env_config):
         errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
+    if spec.env is not None and _shows_images(spec.env):
+        errors.append(
+            ("runner", f"env {spec.env!r} shows images; the verl runner is text-only: native")
+        )
     if spec.rollout.env_execution != "inline":
         errors.append(
             (
@@ -527,6 +531,13 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
             ("rollout.max_off_policy_steps", "the native runner's pipelining: 0 with verl")
         )
     return errors
+
+
+def _shows_images(env_name: str) -> bool:
+    try:
+        return get_env(env_name).needs_images
+    except ContractError:
+        return False  # the env check names an unknown env
 
 
 def check_base_model_limits(

@@ -60,7 +60,10 @@ class Engine:
         # model built in memory: set it with the model's processor to pass images as files).
         self.processor: Any = None
         if self.base_path is not None and vision.is_vision_model(model):
-            self.processor = vision.load_processor(self.base_path)
+            from training.model import resolve_base_path
+
+            # An alias ("tiny-vl") names the model; the processor's files are in its directory.
+            self.processor = vision.load_processor(str(resolve_base_path(self.base_path)))
         self._images: OrderedDict[bytes, vision.ImageInput] = OrderedDict()
         # Wrap every Linear once, the output head included (LoRA on the unembedding); each
         # policy registers weights only on its own targets.

@@ -76,6 +76,15 @@ def test_it_names_the_field_of_a_bad_rl_setting(extra, field):
         ({"method": "sft", **MATH, "algorithm": {"loss": "ppo"}}, "algorithm"),
         ({"method": "sft", "env": "bandit"}, "env"),
         ({"method": "sft", **MATH, "runner": "verl", "eval": {}}, "runner"),
+        (
+            {
+                "method": "rl",
+                "env": "geometry",
+                "dataset": "builtin:geometry_train",
+                "runner": "verl",
+            },
+            "runner",
+        ),
         ({"method": "smoke", "steps": 3}, "steps"),
         ({"method": "smoke", "lora": {"rank": 4}}, "lora"),
     ],
