@@ -28,6 +28,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
 from accounts.models import Quota, Team
+from environments.archives import unpack_zip
 from environments.datasets import (
     FORMATS,
     DatasetValidationError,
@@ -119,16 +120,25 @@ def validate_env(env: str) -> str:
     return env
 
 
-def detect_format(filename: str, fmt: str | None) -> str:
+# A zip (rows in JSONL, images as files) is unpacked into the JSONL it is stored as.
+ARCHIVE = "zip"
+UPLOAD_FORMATS = (*FORMATS, ARCHIVE)
 
+
+def detect_format(filename: str, fmt: str | None) -> str:
+    """The upload's format: `fmt` when given, else from the file name's suffix."""
     if fmt:
-        if fmt not in FORMATS:
-            raise _field_error("format", f"must be one of {', '.join(FORMATS)}")
+        if fmt not in UPLOAD_FORMATS:
+            raise _field_error("format", f"must be one of {', '.join(UPLOAD_FORMATS)}")
         return fmt
+    if filename.lower().endswith(".zip"):
+        return ARCHIVE
     try:
         return detect(filename)
     except DatasetValidationError as exc:
-        raise _field_error("file", exc.errors[0].reason) from exc
+        raise _field_error(
+            "file", exc.errors[0].reason.replace("or .parquet", ", .parquet or .zip")
+        ) from exc
 
 
 def _row_errors(errors: Iterable[Any]) -> list[dict[str, Any]]:
@@ -166,11 +176,13 @@ def store_dataset(
     directory = team_dir(team.pk)
     directory.mkdir(parents=True, exist_ok=True)
     dataset_id = uuid.uuid4()
-    final = directory / f"{dataset_id}.{fmt}"
+    stored = "jsonl" if fmt == ARCHIVE else fmt
+    final = directory / f"{dataset_id}.{stored}"
     # Same directory as the final file, so the rename is atomic; the suffix tells the
     # validator the format; the leading dot marks it as not (yet) a dataset.
     fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=".upload-", suffix=f".{fmt}")
     tmp = Path(tmp_name)
+    upload = tmp
     renamed = False
     try:
         size = 0
@@ -185,6 +197,14 @@ def store_dataset(
             fh.flush()
             os.fsync(fh.fileno())
 
+        if fmt == ARCHIVE:
+            tmp = upload.with_suffix(".jsonl")
+            try:
+                unpack_zip(upload, tmp, max_bytes=limit)
+            except DatasetValidationError as exc:
+                errors = _row_errors(exc.errors)
+                raise DatasetRejected(errors[0]["reason"], errors) from exc
+            os.chmod(tmp, 0o640)
         try:
             report = inspect_file(tmp, env, max_errors=MAX_REPORTED_ERRORS)
         except (OSError, ValueError) as exc:
@@ -211,7 +231,7 @@ def store_dataset(
                     created_by=user,
                     name=name,
                     env=env,
-                    format=fmt,
+                    format=stored,
                     path=str(final.relative_to(Path(settings.OPENTINKER_DATA_DIR))),
                     rows=report.rows,
                     columns=report.columns,
@@ -230,6 +250,7 @@ def store_dataset(
         raise
     finally:
         tmp.unlink(missing_ok=True)
+        upload.unlink(missing_ok=True)
     return dataset
 
 

@@ -154,7 +154,10 @@ class DatasetSerializer(serializers.ModelSerializer):
 class DatasetUploadSerializer(RefuseUnknownFields, serializers.Serializer):
     """Presence and shape only; ``jobs.datasets.store_dataset`` validates the content."""
 
-    file = serializers.FileField(help_text="A .jsonl or .parquet file.")
+    file = serializers.FileField(
+        help_text="A .jsonl or .parquet file, or a .zip of one .jsonl file and the image files "
+        "its rows name (stored as JSONL with the images inline)."
+    )
     name = serializers.CharField(
         max_length=200, help_text="Unique within the team.", validators=[validate_display_name]
     )
@@ -162,7 +165,7 @@ class DatasetUploadSerializer(RefuseUnknownFields, serializers.Serializer):
         max_length=200, help_text="The environment whose dataset schema the file must follow."
     )
     format = serializers.ChoiceField(
-        choices=DatasetFormat.choices,
+        choices=[*DatasetFormat.choices, ("zip", "Zip of a JSONL file and its images")],
         required=False,
         help_text="Overrides the format guessed from the file name's extension.",
     )

@@ -170,7 +170,9 @@ class RoleForm(forms.Form):
 class DatasetForm(forms.Form):
     name = forms.CharField(max_length=200, validators=[validate_display_name])
     env = forms.ChoiceField(label="Environment")
-    file = forms.FileField(help_text="JSON Lines (.jsonl) or Parquet (.parquet).")
+    file = forms.FileField(
+        help_text="JSON Lines (.jsonl), Parquet (.parquet), or a .zip of a .jsonl and its images."
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -370,7 +370,10 @@ def download(
 @handles_errors
 def datasets_upload(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Argument(help="A .jsonl or .parquet file.")],
+    file: Annotated[
+        Path,
+        typer.Argument(help="A .jsonl or .parquet file, or a .zip of a .jsonl and its images."),
+    ],
     env: Annotated[str, typer.Option(help="The env whose dataset schema the rows follow.")],
     name: Annotated[
         str | None, typer.Option(help="Dataset name (default: the file's stem).")

@@ -265,7 +265,8 @@ class Datasets:
         format: str | None = None,
         team: str | None = None,
     ) -> Dataset:
-        """Upload a .jsonl or .parquet file; the server checks every row against ``env``."""
+        """Upload a .jsonl or .parquet file, or a .zip of a .jsonl and its images; the server
+        checks every row against ``env``."""
         path = Path(file)
         data = {"name": name or path.stem, "env": env}
         if format:

@@ -9,6 +9,7 @@ Qwen2.5-VL model.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import zipfile
@@ -110,16 +111,25 @@ def test_it_trains_a_vision_policy_with_rl_and_shows_its_transcripts_with_images
     assert adapted and not [n for n in adapted if ".visual." in n]
 
 
-def test_it_trains_a_vision_policy_with_sft_on_an_uploaded_geo3k_dataset(
+def test_it_trains_a_vision_policy_with_sft_on_a_geo3k_zip_upload(
     vl_trainer: Any, owner_client: APIClient
 ) -> None:
-    # geo3k's JSONL shape (images as base64), uploaded: sixteen rows, so that every step of
-    # a batch of sixteen sees the same pictures and the loss on them must fall.
-    rows = BUILTIN_GEOMETRY.read_text().splitlines()[:16]
+    # geo3k's shape as a zip: sixteen rows in a JSONL file, each naming its diagram, a file
+    # beside it; a batch of sixteen sees the same pictures every step, so the loss must fall.
+    rows = [json.loads(line) for line in BUILTIN_GEOMETRY.read_text().splitlines()[:16]]
+    members = {}
+    for i, row in enumerate(rows):
+        members[f"geo3k/img/{i}.png"] = base64.b64decode(row["images"][0])
+        row["images"] = [f"img/{i}.png"]
+    members["geo3k/train.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
     response = owner_client.post(
         "/api/v1/datasets",
         {
-            "file": SimpleUploadedFile("geo.jsonl", "\n".join(rows).encode() + b"\n"),
+            "file": SimpleUploadedFile("geo3k.zip", archive.getvalue()),
             "name": "geo16",
             "env": "geometry",
         },
