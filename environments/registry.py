@@ -136,6 +136,13 @@ def pairs_episodes(env_name: str, config: dict[str, Any] | None = None) -> bool:
     return env_name == "textarena" and (config or {}).get("opponent") == "selfplay"
 
 
+def shows_images(env_name: str) -> bool:
+    """Its observations hold images (a vision-language base model only); False for an
+    unknown env, which the contract check names."""
+    spec = _REGISTRY.get(env_name)
+    return spec is not None and spec.needs_images
+
+
 def make_config(env_name: str, config: dict[str, Any] | None = None) -> Any:
     """Build the env's config dataclass from JSON, naming any unknown or bad key."""
     spec = get_env(env_name)

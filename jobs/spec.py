@@ -8,7 +8,6 @@ version model and registers it in ``SPEC_VERSIONS``.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, Literal
 
 from pydantic import (
@@ -21,12 +20,28 @@ from pydantic import (
     model_validator,
 )
 
-from environments.registry import ContractError, get_env, make_config, pairs_episodes
+from environments.registry import (
+    ContractError,
+    get_env,
+    make_config,
+    pairs_episodes,
+    shows_images,
+)
 from environments.types import DataSource, Interaction
+
+from .spec_sections import (
+    AlgorithmSpec,
+    EvalSpec,
+    FieldErrors,
+    LoRASpec,
+    OptimizerSpec,
+    RolloutSpec,
+    SpecError,
+    changed,
+)
 
 CURRENT_VERSION = 1
 MAX_RUNTIME_S = 7 * 86400
-ALL_LINEAR = "all-linear"
 # Fields that only a training job (rl / sft) reads; a smoke job refuses them.
 TRAINING_FIELDS = (
     "algorithm",
@@ -45,208 +60,6 @@ TRAINING_FIELDS = (
 )
 # Fields only RL reads: SFT has no sampler and no advantages.
 RL_ONLY_FIELDS = ("algorithm", "rollout")
-
-
-class SpecError(ValueError):
-    """An invalid job spec; ``errors`` names each offending field and why."""
-
-    def __init__(self, errors: list[dict[str, str]]) -> None:
-        self.errors = errors
-        super().__init__("; ".join(f"{e['field'] or '(spec)'}: {e['reason']}" for e in errors))
-
-
-class _FieldErrors(ValueError):
-    """Errors of a model validator, each naming a field relative to the model."""
-
-    def __init__(self, errors: list[tuple[str, str]]) -> None:
-        self.errors = errors
-        super().__init__("; ".join(f"{f}: {r}" for f, r in errors))
-
-
-def _changed(model: BaseModel, name: str) -> bool:
-    """Set to something other than its default.
-
-    Comparing with the default (not just "was set") keeps a stored spec, which lists every
-    field with its value, valid when parsed again.
-    """
-    if name not in model.model_fields_set:
-        return False
-    info = type(model).model_fields[name]
-    return bool(getattr(model, name) != info.get_default(call_default_factory=True))
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class AlgorithmSpec(_Section):
-    """How rewards become a gradient (method 'rl')."""
-
-    advantage: Literal["grpo", "rloo", "grpo_per_step", "baseline"] = Field(
-        "grpo",
-        description=(
-            "Advantage estimator: 'grpo' (reward minus group mean), 'rloo' (leave-one-out), "
-            "'grpo_per_step' (per-turn returns, multi-turn envs), 'baseline' (reward minus "
-            "`baseline`)."
-        ),
-    )
-    normalize_std: bool = Field(
-        False, description="grpo: divide by the group's reward std (Dr. GRPO leaves it off)."
-    )
-    baseline: float = Field(0.0, ge=-1e6, le=1e6, description="'baseline' only: the constant.")
-    loss: Literal["importance_sampling", "ppo", "cispo", "dro"] = Field(
-        "importance_sampling", description="Policy loss (training.losses)."
-    )
-    clip_low: float = Field(0.8, ge=0.0, le=1.0, description="ppo/cispo: lower ratio clip.")
-    clip_high: float = Field(1.2, ge=1.0, le=10.0, description="ppo/cispo: upper ratio clip.")
-    dro_beta: float = Field(0.05, ge=0.0, le=100.0, description="dro: quadratic penalty beta.")
-    kl_coef: float = Field(
-        0.0,
-        ge=0.0,
-        le=10.0,
-        description=(
-            "Per-token KL penalty against the base model, folded into the advantage; 0 = off."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _options_fit_the_choice(self) -> AlgorithmSpec:
-        errors = []
-        owners = {
-            "clip_low": ("ppo", "cispo"),
-            "clip_high": ("ppo", "cispo"),
-            "dro_beta": ("dro",),
-        }
-        for name, losses in owners.items():
-            if _changed(self, name) and self.loss not in losses:
-                errors.append((name, f"applies only to loss {' or '.join(losses)}"))
-        if _changed(self, "baseline") and self.advantage != "baseline":
-            errors.append(("baseline", "applies only to advantage 'baseline'"))
-        if _changed(self, "normalize_std") and self.advantage not in ("grpo", "grpo_per_step"):
-            errors.append(("normalize_std", "applies only to advantage grpo or grpo_per_step"))
-        if errors:
-            raise _FieldErrors(errors)
-        return self
-
-
-class RolloutSpec(_Section):
-    """How each step samples (method 'rl')."""
-
-    group_size: int = Field(4, ge=1, le=256, description="Samples per prompt (G).")
-    prompts_per_step: int = Field(8, ge=1, le=1024, description="Groups (prompts) per step.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
-    max_tokens: int = Field(64, ge=1, le=32768, description="Most tokens per model turn.")
-    max_turns: int = Field(8, ge=1, le=64, description="Most model turns per episode.")
-    env_execution: Literal["inline", "queue"] = Field(
-        "inline",
-        description=(
-            "Where the environment steps run: 'inline' in the trainer's process, or 'queue' on "
-            "env workers (the `env` Celery queue, one task per group and turn), which keeps "
-            "env code and its sandboxes off the GPU worker. The trajectories are the same for "
-            "the same seed. Native runner only; self-play envs run inline only."
-        ),
-    )
-    max_off_policy_steps: int = Field(
-        0,
-        ge=0,
-        le=4,
-        description=(
-            "Pipelined RL (native runner): the rollouts of step k+1 are sampled while step k "
-            "trains, from the last published snapshot, at most this many steps behind the "
-            "weights they train (the loss's importance ratio corrects for it). 0 = every "
-            "step samples the weights the previous step ended with."
-        ),
-    )
-
-
-class LoRASpec(_Section):
-    """The adapter trained on the frozen base model."""
-
-    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r (at most the base model's).")
-    alpha: float = Field(32.0, gt=0.0, le=4096.0, description="LoRA alpha (scale alpha / r).")
-    target_modules: Literal["all-linear"] | list[str] = Field(
-        ALL_LINEAR,
-        description="Module name suffixes such as ['q_proj', 'v_proj'], or 'all-linear'.",
-    )
-
-    @field_validator("target_modules")
-    @classmethod
-    def _modules_named(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list):
-            if not value or len(value) > 64:
-                raise ValueError("give between 1 and 64 module names, or 'all-linear'")
-            if any(
-                not m or len(m) > 100 or not m.replace("_", "").replace(".", "").isalnum()
-                for m in value
-            ):
-                raise ValueError("module names are dotted identifiers such as 'q_proj'")
-            if len(set(value)) != len(value):
-                raise ValueError("module names must be distinct")
-        return value
-
-
-class OptimizerSpec(_Section):
-    """AdamW settings of every optim_step."""
-
-    lr: float = Field(1e-4, gt=0.0, le=1.0, description="Learning rate.")
-    betas: list[float] = Field(
-        default_factory=lambda: [0.9, 0.95], description="AdamW (beta1, beta2), each in [0, 1)."
-    )
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay.")
-    grad_clip: float | None = Field(
-        1.0, gt=0.0, le=1e6, description="Clip the global grad norm to this; null = off."
-    )
-
-    @field_validator("betas")
-    @classmethod
-    def _two_betas(cls, value: list[float]) -> list[float]:
-        if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
-            raise ValueError("give two numbers in [0, 1): [beta1, beta2]")
-        return value
-
-
-class EvalSpec(_Section):
-    """What an eval job (``kind: eval``) runs through the env, with training switched off."""
-
-    from_job: str | None = Field(
-        None,
-        description=(
-            "Id of a job of the team whose weights are evaluated: its final adapter, or "
-            "`checkpoint`; null = the base model itself."
-        ),
-    )
-    checkpoint: str | None = Field(
-        None,
-        min_length=1,
-        max_length=100,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="A checkpoint of `from_job` (e.g. 'step-000010') instead of its final adapter.",
-    )
-    split: Literal["heldout", "all"] = Field(
-        "heldout",
-        description=(
-            "'heldout': the prompts a training run evaluates on (a built-in set's test split, "
-            "else the seeded hold-out of `eval_examples` rows for this `seed`); 'all': the "
-            "dataset's first `eval_examples` rows."
-        ),
-    )
-
-    @field_validator("from_job")
-    @classmethod
-    def _job_id(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                return str(uuid.UUID(value))
-            except ValueError:
-                raise ValueError("must be a job id (UUID)") from None
-        return value
-
-    @model_validator(mode="after")
-    def _checkpoint_of_a_job(self) -> EvalSpec:
-        if self.checkpoint is not None and self.from_job is None:
-            raise _FieldErrors([("checkpoint", "names a checkpoint of `from_job`: give both")])
-        return self
 
 
 # Fields an eval job refuses: it trains nothing, and the weights' shape comes from `from_job`.
@@ -387,25 +200,25 @@ class JobSpecV1(BaseModel):
         errors: list[tuple[str, str]] = []
         if self.method == "smoke":
             for name in TRAINING_FIELDS:
-                if _changed(self, name):
+                if changed(self, name):
                     errors.append((name, "only valid with method 'rl' or 'sft'"))
         if self.method == "sft":
             for name in RL_ONLY_FIELDS:
-                if _changed(self, name):
+                if changed(self, name):
                     errors.append((name, "only valid with method 'rl'"))
-        if self.method == "rl" and _changed(self, "batch_size"):
+        if self.method == "rl" and changed(self, "batch_size"):
             errors.append(("batch_size", "only valid with method 'sft' (RL: rollout sizes)"))
         if self.eval is not None:
             if self.method == "smoke":
                 errors.append(("eval", "an eval job gives method 'rl' or 'sft' and an env"))
             for name in EVAL_REFUSED_FIELDS:
-                if _changed(self, name):
+                if changed(self, name):
                     errors.append((name, "an eval job trains nothing: not valid with `eval`"))
         if self.gpus_per_node is not None:
             errors.extend(_gang_errors(self))
         elif self.gpus > 64:
             errors.append(("gpus", "a node holds at most 64: give `gpus_per_node` to span nodes"))
-        if self.full_finetune and _changed(self, "lora"):
+        if self.full_finetune and changed(self, "lora"):
             errors.append(("lora", "give either `lora` or `full_finetune: true`, not both"))
         if self.method in ("rl", "sft") and self.env is not None:
             errors.extend(_env_errors(self))
@@ -415,7 +228,7 @@ class JobSpecV1(BaseModel):
         if self.runner == "verl" and self.method == "rl":
             errors.extend(_verl_errors(self))
         if errors:
-            raise _FieldErrors(errors)
+            raise FieldErrors(errors)
         return self
 
 
@@ -490,7 +303,7 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
                     f"'grpo_per_step' needs a multi-turn env; {env.name!r} is single turn",
                 )
             )
-        if _changed(spec.rollout, "max_turns") and not multi:
+        if changed(spec.rollout, "max_turns") and not multi:
             errors.append(("rollout.max_turns", f"env {env.name!r} is single turn"))
         if spec.algorithm.advantage == "rloo" and spec.rollout.group_size < 2:
             errors.append(("rollout.group_size", "'rloo' needs at least 2 samples per group"))
@@ -515,7 +328,7 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         errors.append(("runner", "eval jobs run on the native runner"))
     if spec.env is not None and pairs_episodes(spec.env, spec.env_config):
         errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
-    if spec.env is not None and _shows_images(spec.env):
+    if spec.env is not None and shows_images(spec.env):
         errors.append(
             ("runner", f"env {spec.env!r} shows images; the verl runner is text-only: native")
         )
@@ -531,13 +344,6 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
             ("rollout.max_off_policy_steps", "the native runner's pipelining: 0 with verl")
         )
     return errors
-
-
-def _shows_images(env_name: str) -> bool:
-    try:
-        return get_env(env_name).needs_images
-    except ContractError:
-        return False  # the env check names an unknown env
 
 
 def check_base_model_limits(
@@ -585,7 +391,7 @@ def parse_spec(data: Any) -> JobSpec:
         errors: list[dict[str, str]] = []
         for err in exc.errors():
             cause = (err.get("ctx") or {}).get("error")
-            if isinstance(cause, _FieldErrors):
+            if isinstance(cause, FieldErrors):
                 prefix = "".join(f"{part}." for part in err["loc"])
                 errors.extend({"field": prefix + f, "reason": r} for f, r in cause.errors)
                 continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from accounts.models import Team
 from environments.datasets import DatasetValidationError, resolve
-from environments.registry import ContractError, check_contract, get_env
+from environments.registry import ContractError, check_contract, get_env, shows_images
 
 from . import artifacts
 from .datasets import BUILTIN_REF_PREFIX, find_team_dataset
@@ -38,11 +38,7 @@ def check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
 
 def _check_images(parsed: JobSpec, model: BaseModel) -> list[dict[str, str]]:
     """An environment that shows images needs a base model with a vision tower."""
-    try:
-        needs = parsed.env is not None and get_env(parsed.env).needs_images
-    except ContractError:
-        return []  # the env check names an unknown env
-    if not needs or model.takes_images() is not False:
+    if parsed.env is None or not shows_images(parsed.env) or model.takes_images() is not False:
         return []
     vision = (
         ", ".join(m.name for m in BaseModel.objects.enabled() if m.takes_images())

@@ -116,7 +116,7 @@ def test_it_checks_the_base_model_is_registered_and_enabled(team, owner):
     errors = refused(team, owner, method="rl", env="bandit", base_model="gpt-9")
     assert "not a registered base model" in errors["base_model"]
     assert "available: tiny" in errors["base_model"]
-    BaseModel.objects.filter(name="tiny").update(enabled=False)
+    BaseModel.objects.update(enabled=False)
     errors = refused(team, owner, method="rl", env="bandit")
     assert (
         "'tiny' is disabled" in errors["base_model"] and "available: none" in errors["base_model"]
