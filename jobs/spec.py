@@ -48,6 +48,7 @@ TRAINING_FIELDS = (
     "rollout",
     "lora",
     "full_finetune",
+    "activation_checkpointing",
     "optimizer",
     "steps",
     "batch_size",
@@ -67,6 +68,7 @@ EVAL_REFUSED_FIELDS = (
     "algorithm",
     "lora",
     "full_finetune",
+    "activation_checkpointing",
     "optimizer",
     "steps",
     "batch_size",
@@ -137,6 +139,12 @@ class JobSpecV1(BaseModel):
     lora: LoRASpec = Field(default_factory=LoRASpec, description="The adapter to train.")
     full_finetune: bool = Field(
         False, description="Train every weight of a private copy instead (small models only)."
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each layer's activations in backward: memory that no longer "
+        "grows with layers x tokens, for about a third more compute (long sequences). The "
+        "verl runner always does (its default).",
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW.")
     steps: int = Field(100, ge=1, le=1_000_000, description="Optimizer steps to run.")

@@ -66,6 +66,10 @@ class _Stacked:
     slots: int  # G
 
 
+RouteSnapshot = tuple[tuple[_Group, ...], int, _Stacked | None]
+"""What `LoRAHost.current_route` gives: the groups, the row count and the stacked weights."""
+
+
 class _RouteState:
     """Routing shared by all wrapped modules of one host (one object, read per forward)."""
 
@@ -433,10 +437,22 @@ class LoRAHost:
         stacked = None
         if len(rows_by_key) >= max(2, self.stack_min_adapters):
             stacked = self._stack(rows_by_key, len(keys), device)
+        with self.replay_route((tuple(groups), len(keys), stacked)):
+            yield
+
+    def current_route(self) -> RouteSnapshot:
+        """The routing in force, to run a forward again later under it (`replay_route`): a
+        layer whose activations are recomputed in backward, after `route` has exited."""
+        state = self._state
+        return (state.groups, state.num_rows, state.stacked)
+
+    @contextmanager
+    def replay_route(self, snapshot: RouteSnapshot) -> Iterator[None]:
+        """Route as `snapshot` says inside the block (holding the host's lock)."""
         with self._lock:
             state = self._state
             previous = (state.groups, state.num_rows, state.stacked)
-            state.groups, state.num_rows, state.stacked = tuple(groups), len(keys), stacked
+            state.groups, state.num_rows, state.stacked = snapshot
             try:
                 yield
             finally:

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from training import packing, vision
+from training import recompute as recompute_layers
 from training.chunked_head import ChunkedLoRAHeadLogprob, ChunkedTargetLogprob, lora_head_logits
-from training.lora import MultiLoRALinear
+from training.lora import LoRAHost, MultiLoRALinear
 from training.losses import LOSSES, LossBatch, LossFn, get_loss
 from training.policy import Policy
 from training.types import AdamParams, Datum, FwdBwdResult
@@ -296,6 +297,7 @@ def _run(
     loss_fn_config: Mapping[str, float] | None,
     backward: bool,
     pack: bool | None,
+    recompute: bool = False,
 ) -> FwdBwdResult:
     policies = _policies_per_row(policy, datums)
     fn = get_loss(loss_fn) if loss_fn is not None else None
@@ -322,7 +324,11 @@ def _run(
     ):
         lengths = [d.length for d in datums]
         layout = packing.plan(lengths, [p.id for p in policies], device, force=bool(pack))
-    with grad:
+    models: list[tuple[nn.Module, LoRAHost | None]] = [
+        (p.host.model, p.host) if p.model is None else (p.model, None) for p in policies
+    ]
+    saving = recompute_layers.recomputed_all(models) if recompute and backward else nullcontext()
+    with grad, saving:
         if layout is None:
             logprobs = _target_logprobs(
                 policies, input_ids, targets, valid, loss_mask, None, images_B
@@ -369,6 +375,7 @@ def forward_backward(
     loss_fn_config: Mapping[str, float] | None = None,
     *,
     pack: bool | None = None,
+    recompute: bool = False,
 ) -> FwdBwdResult:
     """Compute the summed loss and add its gradients to each policy's accumulated gradients.
 
@@ -376,9 +383,13 @@ def forward_backward(
     `optim_step`. Returns each datum's target log-probabilities and the loss metrics.
     `pack`: lay the datums end to end in a few rows instead of padding each to the longest
     (`training.packing`); None packs when that saves enough work, True whenever the model
-    type allows it, False never. The results are the same either way.
+    type allows it, False never. `recompute`: activation checkpointing
+    (`training.recompute`), less memory for about one more forward. The results are the
+    same either way.
     """
-    return _run(policy, datums, loss_fn, loss_fn_config, backward=True, pack=pack)
+    return _run(
+        policy, datums, loss_fn, loss_fn_config, backward=True, pack=pack, recompute=recompute
+    )
 
 
 def forward(

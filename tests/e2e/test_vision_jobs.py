@@ -143,6 +143,8 @@ def test_it_trains_a_vision_policy_with_sft_on_a_geo3k_zip_upload(
         steps=8,
         batch_size=16,
         optimizer={"lr": 2e-3},
+        # Recomputed activations give the same gradients (tests/training/test_recompute.py).
+        activation_checkpointing=True,
     )
     job_id = submit(owner_client, spec, "geo-sft")
     job = finished(job_id, 240)

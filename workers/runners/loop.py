@@ -340,7 +340,13 @@ class TrainingLoop:
         loss_sum, tokens, loss_metrics = 0.0, 0.0, {}
         for start in range(0, len(datums), MICRO_BATCH):
             chunk = datums[start : start + MICRO_BATCH]
-            result = ops.forward_backward(self.policy, chunk, spec.algorithm.loss, self.loss_config)
+            result = ops.forward_backward(
+                self.policy,
+                chunk,
+                spec.algorithm.loss,
+                self.loss_config,
+                recompute=spec.activation_checkpointing,
+            )
             loss_sum += result.metrics.get("loss:sum", 0.0)
             tokens += result.metrics.get("tokens:sum", 0.0)
             loss_metrics = result.metrics
@@ -422,7 +428,10 @@ class TrainingLoop:
         loss_sum, weight_sum, tokens = 0.0, 0.0, 0.0
         for start in range(0, len(datums), MICRO_BATCH):
             result = ops.forward_backward(
-                self.policy, datums[start : start + MICRO_BATCH], "cross_entropy"
+                self.policy,
+                datums[start : start + MICRO_BATCH],
+                "cross_entropy",
+                recompute=self.spec.activation_checkpointing,
             )
             loss_sum += result.metrics["loss:sum"]
             weight_sum += result.metrics["weights:sum"]
