@@ -21,7 +21,7 @@ def test_it_lists_enabled_base_models_to_any_member(outsider_client, owner_clien
         response = client.get("/api/v1/base-models")
         assert response.status_code == 200
         body = response.json()
-        assert [m["name"] for m in body] == ["qwen-0-5b", "tiny"]
+        assert [m["name"] for m in body] == ["qwen-0-5b", "tiny", "tiny-vl"]
         assert body[0] == {
             "name": "qwen-0-5b",
             "max_lora_rank": 128,

@@ -23,7 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_it_ships_valid_builtin_datasets_in_train_and_test_splits() -> None:
-    assert builtin_names() == ["arith_test", "arith_train", "word_test", "word_train"]
+    assert builtin_names() == [
+        "arith_test",
+        "arith_train",
+        "geometry_test",
+        "geometry_train",
+        "word_test",
+        "word_train",
+    ]
+    geometry = {
+        split: load_rows(resolve(f"builtin:geometry_{split}"), "geometry")
+        for split in ("train", "test")
+    }
+    assert (len(geometry["train"]), len(geometry["test"])) == (512, 128)
     for prefix in ("arith", "word"):
         train = load_rows(resolve(f"builtin:{prefix}_train"), "math")
         test = load_rows(resolve(f"builtin:{prefix}_test"), "math_code")

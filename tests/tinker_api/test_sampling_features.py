@@ -61,7 +61,7 @@ def test_it_reads_target_prompt_logprobs_and_answers_in_the_requests_layout() ->
     ):
         assert (td.sparse_crow_indices is not None) == sparse
         req = sent_sample_request(prompt=prompt, target_prompt_logprobs=_tensor_data_to_model(td))
-        targets = wire.prompt_targets(req.target_prompt_logprobs, len(wire.sample_prompt(req)))
+        targets = wire.prompt_targets(req.target_prompt_logprobs, len(wire.sample_prompt(req)[0]))
         # Unlisted sparse cells ask for nothing (-1), not for token 0.
         np.testing.assert_array_equal(targets.ids, ids.numpy())
 

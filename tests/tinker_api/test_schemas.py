@@ -224,7 +224,7 @@ def test_it_parses_sampling_requests_as_the_sampling_client_sends_them() -> None
     assert future.sample_sequence_ids == ["a", "b", "c"]
     assert sdk.last.headers["x-tinker-sampling-backpressure"] == "1"
     req = wire.parse_json(s.SampleRequest, sdk.last.content)
-    assert wire.sample_prompt(req) == [1, 2, 3]
+    assert wire.sample_prompt(req) == ([1, 2, 3], [])
     assert (req.num_samples, req.seq_id, req.prompt_logprobs, req.topk_prompt_logprobs) == (
         3,
         12,
@@ -248,7 +248,7 @@ def test_it_parses_sampling_requests_as_the_sampling_client_sends_them() -> None
     alt = wire.parse_json(s.SampleRequest, sdk.last.content)
     assert alt.sampling_params.stop == "\n\n"
     assert alt.prompt_alt_tokens_k == 2
-    assert wire.sample_prompt(alt) == [1, 2, 3]
+    assert wire.sample_prompt(alt) == ([1, 2, 3], [])
 
     sdk.call(
         lambda c: c.sampling.asample(

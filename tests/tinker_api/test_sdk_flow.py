@@ -148,7 +148,7 @@ class ProtocolServer:
         if path == "/api/v1/asample":
             assert headers.get("X-Tinker-Sampling-Backpressure") == "1"
             req_sample = s.SampleRequest.model_validate_json(body)
-            prompt = wire.sample_prompt(req_sample)
+            prompt, _images = wire.sample_prompt(req_sample)
             n_new = req_sample.sampling_params.max_tokens or 1
             sequences = [
                 wire.SampledSequenceOut(

@@ -258,7 +258,7 @@ def test_it_decodes_the_json_form_older_clients_send() -> None:
     assert wire.decode_forward_backward(raw, content_type="application/json", forward_only=True)
 
 
-def test_it_refuses_image_chunks_with_a_clear_user_error() -> None:
+def test_it_refuses_image_chunks_for_a_text_only_model_with_a_clear_user_error() -> None:
     datum = types.Datum(
         model_input=types.ModelInput(
             chunks=[
@@ -268,7 +268,9 @@ def test_it_refuses_image_chunks_with_a_clear_user_error() -> None:
         ),
         loss_fn_inputs={"target_tokens": [2, 3, 4]},
     )
-    with pytest.raises(wire.WireError, match="image chunks are not supported") as err:
+    # Images reach a model only once expanded for a vision-language base model
+    # (tests/tinker_api/test_sdk_images.py); a batch that still holds them is refused.
+    with pytest.raises(wire.WireError, match="holds images, but the base model takes none") as err:
         decode_sent(send_forward_backward([datum]))
     assert err.value.status == 400 and err.value.category == "user"
 
@@ -276,8 +278,13 @@ def test_it_refuses_image_chunks_with_a_clear_user_error() -> None:
         chunks=[types.ImageAssetPointerChunk(location="s3://x.png", format="png")]
     )
     parsed = s.ModelInputJson.model_validate(prompt.model_dump(mode="json"))
-    with pytest.raises(wire.WireError, match="image_asset_pointer chunks are not supported"):
+    with pytest.raises(wire.WireError, match="image chunks are not accepted here"):
         wire.model_input_tokens(parsed)
+    text_only = s.SampleRequest.model_validate(
+        {"num_samples": 1, "prompt": prompt.model_dump(mode="json"), "sampling_params": {}}
+    )
+    with pytest.raises(wire.WireError, match=r"prompt.chunks\[0\]: .*text-only model"):
+        wire.sample_prompt(text_only)
 
 
 def _one_datum(**inputs: types.TensorData | list[float] | list[int]) -> list[types.Datum]:

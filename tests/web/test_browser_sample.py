@@ -82,7 +82,11 @@ def test_it_shows_eval_results_and_samples_with_htmx_in_a_browser(
     last = table.locator("tbody tr").nth(2)
     assert last.locator("td").nth(0).inner_text() == "2"
     assert last.locator("td").nth(1).inner_text() == f"{accuracy:.3f}"
-    assert last.get_by_role("link").inner_text() == "eval/step-000002.jsonl"
+    assert last.get_by_role("link", name="eval/step-000002.jsonl").count() == 1
+    # Its transcript page, episode by episode.
+    assert last.get_by_role("link", name="view").get_attribute("href") == (
+        f"/jobs/{job_id}/eval/step-000002.jsonl"
+    )
 
     # htmx swaps the box in place: a marker set on the window survives, so no page load.
     page.evaluate("window.notReloaded = true")
