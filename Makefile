@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo serve test test-fast test-embedded test-services test-verl test-verl-multinode test-lane-a test-lane-b install model datasets bench lint clean verl-env
+.PHONY: java demo serve test test-fast test-embedded test-services test-verl test-verl-multinode test-lane-a test-lane-b install model datasets bench lint clean verl-env
 
 demo: install
 	$(PY) manage.py demo
@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml
 verl-env:
 	bash scripts/build_verl_env.sh
 
+# Java 17 for the scienceworld environment (a Debian package; needs root or sudo).
+java:
+	bash scripts/install_java.sh
+
 model: install
 	$(PY) scripts/build_tiny_model.py
 
@@ -51,6 +55,7 @@ VERL_LANE_A := gomoku or vllm
 VERL_ALONE := two_nodes
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
+	bash scripts/install_java.sh || echo "Java not installed: the scienceworld tests will be skipped"
 	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
 	$(MAKE) -j2 --output-sync=target test-lane-a test-lane-b
 

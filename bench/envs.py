@@ -47,6 +47,8 @@ def scripted(env: str):
             listed = re.findall(r"Available Moves:[^\n]*", seen)
             moves = re.findall(r"'(\[[^']*\])'", listed[-1]) if listed else []
             return moves[0] if moves else "[4]"
+        if env == "scienceworld":
+            return "look around"
         if env == "bandit":
             return "\\boxed{1}"
         if env == "math":
@@ -121,6 +123,8 @@ def main() -> None:
         "math_code": max(1, args.groups // 10),
         "reasoning_gym": args.groups,
         "textarena": max(1, args.groups // 4),
+        # One JVM per live episode (~1.5 s to start): one group is enough to see the cost.
+        "scienceworld": max(1, args.groups // 20),
     }
     configs = {
         "reasoning_gym": {
@@ -129,6 +133,7 @@ def main() -> None:
             "answer_format": "boxed",
         },
         "textarena": {"game": "TicTacToe-v0", "opponent": "random"},
+        "scienceworld": {"task": "find-living-thing", "max_turns": 4},
     }
     print(
         f"{'env':<14} {'episodes':>8} {'inline ep/s':>12} {'queue ep/s':>11} "

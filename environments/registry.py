@@ -22,6 +22,11 @@ from environments.envs.gomoku import GomokuConfig, GomokuGroupBuilder, GomokuSel
 from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
 from environments.envs.math_env import MathConfig, MathGroupBuilder
 from environments.envs.reasoning_gym_env import ReasoningGymConfig, generator_names, make_builder
+from environments.envs.scienceworld_env import (
+    ScienceWorldConfig,
+    ScienceWorldGroupBuilder,
+    listed_tasks,
+)
 from environments.envs.textarena_env import (
     TextArenaConfig,
     TextArenaGroupBuilder,
@@ -396,6 +401,22 @@ def _register_builtins() -> None:
                     ),
                 )
             ),
+        )
+    )
+
+    def scienceworld_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
+        return ScienceWorldGroupBuilder(config, seed, group_size)
+
+    register(
+        EnvSpec(
+            "scienceworld",
+            DataSource.GENERATOR,
+            Interaction.MULTI_TURN,
+            "A ScienceWorld task (30 elementary-science tasks in a text world; needs Java 17); "
+            "each action's reward is the score it gains.",
+            ScienceWorldConfig,
+            scienceworld_factory,
+            choices=lambda: {"task": listed_tasks()},
         )
     )
 

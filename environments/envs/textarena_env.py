@@ -35,7 +35,6 @@ import copy
 import random
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,6 +42,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from environments.live_cache import LiveCache
 from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
 
 Moves = Callable[[dict[str, Any]], list[str]]
@@ -251,34 +251,11 @@ class LiveGame:
         return self.result
 
 
-_CACHE: OrderedDict[str, LiveGame] = OrderedDict()
-_CACHE_LOCK = threading.Lock()
-REPLAYS = {"count": 0}
-"""How many games under way this process rebuilt by replay (a cached game is reused instead)."""
-
-
-def _remember(key: str, live: LiveGame) -> None:
-    with _CACHE_LOCK:
-        _CACHE[key] = live
-        _CACHE.move_to_end(key)
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
-
-
-def _forget(key: str) -> None:
-    with _CACHE_LOCK:
-        _CACHE.pop(key, None)
-
-
-def _cached(key: str, actions: list[str]) -> LiveGame | None:
-    with _CACHE_LOCK:
-        live = _CACHE.get(key)
-    return live if live is not None and live.actions == actions else None
+CACHE: LiveCache[LiveGame] = LiveCache(CACHE_SIZE)
 
 
 def clear_cache() -> None:
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    CACHE.clear()
 
 
 def _metrics(reward: float, illegal: int, moves: int, players: int) -> dict[str, float]:
@@ -324,16 +301,16 @@ class TextArenaEpisode(Episode):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if self._live is not None:
-            _remember(self.key, self._live)
+            CACHE.remember(self.key, self._live)
         state["_live"] = None
         return state
 
     def _game(self) -> LiveGame:
         live = self._live
         if live is None or live.actions != self.actions:
-            live = _cached(self.key, self.actions)
+            live = CACHE.take(self.key, self.actions)
         if live is None:
-            REPLAYS["count"] += int(self._delivered)
+            CACHE.replays += int(self._delivered)
             live = LiveGame.replay(
                 self.config.game, self.seed, self.rules.players, self.actions, self._delivered
             )
@@ -408,7 +385,7 @@ class TextArenaEpisode(Episode):
         )
 
     def _forget(self) -> None:
-        _forget(self.key)
+        CACHE.forget(self.key)
 
     def close(self) -> None:
         self._forget()

@@ -26,10 +26,8 @@ games in a cache keyed by episode, checked against the command log.
 from __future__ import annotations
 
 import re
-import threading
 import uuid
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -37,6 +35,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from environments.live_cache import LiveCache
 from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
 
 POOL_DIRNAME = "textworld-games"
@@ -171,6 +170,10 @@ class LiveGame:
         return live
 
     @property
+    def actions(self) -> list[str]:
+        return self.commands
+
+    @property
     def max_score(self) -> int:
         return int(self.state["max_score"])
 
@@ -186,35 +189,11 @@ class LiveGame:
         self.env.close()
 
 
-_CACHE: OrderedDict[str, LiveGame] = OrderedDict()
-_CACHE_LOCK = threading.Lock()
-REPLAYS = {"count": 0}
-"""How many games under way this process rebuilt by replay (a cached game is reused instead)."""
-
-
-def _remember(key: str, live: LiveGame) -> None:
-    with _CACHE_LOCK:
-        _CACHE[key] = live
-        _CACHE.move_to_end(key)
-        # Evicted games are dropped, not closed: an episode of this process may still hold one.
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
-
-
-def _take(key: str, commands: list[str]) -> LiveGame | None:
-    with _CACHE_LOCK:
-        live = _CACHE.get(key)
-    return live if live is not None and live.commands == commands else None
-
-
-def _forget(key: str) -> None:
-    with _CACHE_LOCK:
-        _CACHE.pop(key, None)
+CACHE: LiveCache[LiveGame] = LiveCache(CACHE_SIZE)
 
 
 def clear_cache() -> None:
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    CACHE.clear()
 
 
 class TextWorldEpisode(Episode):
@@ -233,16 +212,16 @@ class TextWorldEpisode(Episode):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if self._live is not None:
-            _remember(self.key, self._live)
+            CACHE.remember(self.key, self._live)
         state["_live"] = None
         return state
 
     def _game(self) -> LiveGame:
         live = self._live
         if live is None or live.commands != self.commands:
-            live = _take(self.key, self.commands)
+            live = CACHE.take(self.key, self.commands)
         if live is None:
-            REPLAYS["count"] += int(bool(self.commands))
+            CACHE.replays += int(bool(self.commands))
             live = LiveGame.replay(_game_file(self.game), self.commands)
         self._live = live
         return live
@@ -306,7 +285,7 @@ class TextWorldEpisode(Episode):
         )
 
     def close(self) -> None:
-        _forget(self.key)
+        CACHE.forget(self.key)
         if self._live is not None:
             self._live.close()
             self._live = None

@@ -231,9 +231,9 @@ def test_it_rebuilds_a_pickled_episode_by_replay_only_when_the_game_is_gone(
 
     reference = _drive(fresh(), make_policy())
     assert len(reference) > 2
-    before = textarena_env.REPLAYS["count"]
+    before = textarena_env.CACHE.replays
     assert _drive(fresh(), make_policy(), _roundtrip) == reference
-    assert textarena_env.REPLAYS["count"] == before  # the live game came from the cache
+    assert textarena_env.CACHE.replays == before  # the live game came from the cache
 
     def forgetting(episode: Episode) -> Episode:
         restored = _roundtrip(episode)
@@ -241,7 +241,7 @@ def test_it_rebuilds_a_pickled_episode_by_replay_only_when_the_game_is_gone(
         return restored
 
     assert _drive(fresh(), make_policy(), forgetting) == reference
-    assert textarena_env.REPLAYS["count"] - before == len(reference) - 1
+    assert textarena_env.CACHE.replays - before == len(reference) - 1
 
 
 def test_it_keeps_each_games_randomness_to_itself() -> None:

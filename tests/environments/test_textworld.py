@@ -271,9 +271,9 @@ def test_it_rebuilds_a_pickled_episode_by_replay_only_when_the_game_is_gone(
 
     reference = _drive(fresh(), scripted(commands))
     assert sum(r for _, r in reference) == row["max_score"]
-    before = textworld_env.REPLAYS["count"]
+    before = textworld_env.CACHE.replays
     assert _drive(fresh(), scripted(commands), _roundtrip) == reference
-    assert textworld_env.REPLAYS["count"] == before  # the live game came from the cache
+    assert textworld_env.CACHE.replays == before  # the live game came from the cache
 
     def forgetting(episode: Episode) -> Episode:
         restored = _roundtrip(episode)
@@ -282,7 +282,7 @@ def test_it_rebuilds_a_pickled_episode_by_replay_only_when_the_game_is_gone(
 
     assert _drive(fresh(), scripted(commands), forgetting) == reference
     # Every step but the first (no command yet) rebuilt the game from its command log.
-    assert textworld_env.REPLAYS["count"] - before == len(commands) - 1
+    assert textworld_env.CACHE.replays - before == len(commands) - 1
 
 
 def test_it_makes_picklable_builders_whose_episodes_share_the_game(
