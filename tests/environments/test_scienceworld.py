@@ -30,6 +30,9 @@ pytest.importorskip("scienceworld")
 if shutil.which("java") is None:
     pytest.skip(scienceworld_env.JAVA_MISSING, allow_module_level=True)
 
+# The simulator and the env queue do not depend on the database: the embedded pass runs it.
+pytestmark = pytest.mark.once
+
 TASK = "find-living-thing"
 CONFIG = {"task": TASK, "max_turns": 24}
 
