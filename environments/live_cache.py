@@ -60,3 +60,40 @@ class LiveCache(Generic[L]):
     def clear(self) -> None:
         with self._lock:
             self._games.clear()
+
+
+class Replaying(Generic[L]):
+    """What an episode over a live game needs to pickle without it: the game stays out of
+    the pickle (kept in this process's cache), and comes back from the cache or by replay.
+
+    A subclass sets `key` and `_live` (None) in its constructor and gives its action log
+    (`_log`), how to rebuild the game from it (`_rebuild`) and the cache (`_cache`)."""
+
+    key: str
+    _live: L | None
+
+    def _cache(self) -> LiveCache[L]:
+        raise NotImplementedError
+
+    def _log(self) -> list[str]:
+        raise NotImplementedError
+
+    def _rebuild(self) -> L:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        if self._live is not None:
+            self._cache().remember(self.key, self._live)
+        state["_live"] = None
+        return state
+
+    def _live_game(self) -> L:
+        live, log = self._live, self._log()
+        if live is None or list(live.actions) != log:
+            live = self._cache().take(self.key, log)
+        if live is None:
+            self._cache().replays += int(bool(log))
+            live = self._rebuild()
+        self._live = live
+        return live

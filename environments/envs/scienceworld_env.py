@@ -32,7 +32,7 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from environments.envs.textworld_env import parse_command
-from environments.live_cache import LiveCache
+from environments.live_cache import LiveCache, Replaying
 from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
 
 # A JVM per live game (~100-200 MiB): a process keeps a few; an evicted one is shut down and
@@ -195,7 +195,7 @@ def gold_actions(config: ScienceWorldConfig, variation: int) -> list[str]:
         env.close()
 
 
-class ScienceWorldEpisode(Episode):
+class ScienceWorldEpisode(Replaying[LiveTask], Episode):
     """The model does one variation of a task."""
 
     def __init__(self, config: ScienceWorldConfig, variation: int) -> None:
@@ -208,22 +208,14 @@ class ScienceWorldEpisode(Episode):
         self.score = 0
         self._live: LiveTask | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        if self._live is not None:
-            CACHE.remember(self.key, self._live)
-        state["_live"] = None
-        return state
+    def _cache(self) -> LiveCache[LiveTask]:
+        return CACHE
 
-    def _task(self) -> LiveTask:
-        live = self._live
-        if live is None or live.actions != self.actions:
-            live = CACHE.take(self.key, self.actions)
-        if live is None:
-            CACHE.replays += int(bool(self.actions))
-            live = LiveTask.replay(self.config, self.variation, self.actions)
-        self._live = live
-        return live
+    def _log(self) -> list[str]:
+        return self.actions
+
+    def _rebuild(self) -> LiveTask:
+        return LiveTask.replay(self.config, self.variation, self.actions)
 
     def _observation(self, live: LiveTask, text: str) -> str:
         text = text.strip()
@@ -232,14 +224,14 @@ class ScienceWorldEpisode(Episode):
         return f"{text}\n\nActions you can use now: {', '.join(live.valid_actions())}"
 
     def _initial(self) -> tuple[list[Message], StopCondition]:
-        live = self._task()
+        live = self._live_game()
         task = str(live.info.get("taskDesc", "")).strip()
         text = self._observation(live, live.first_text)
         message: Message = {"role": "user", "content": f"{INSTRUCTIONS}\n\n{task}\n\n{text}"}
         return [message], StopCondition(max_tokens=self.config.max_tokens)
 
     def _step(self, action: str) -> StepResult:
-        live = self._task()
+        live = self._live_game()
         command = parse_command(action)
         self.turns += 1
         gain = 0.0

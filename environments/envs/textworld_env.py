@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from environments.live_cache import LiveCache
+from environments.live_cache import LiveCache, Replaying
 from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
 
 POOL_DIRNAME = "textworld-games"
@@ -196,7 +196,7 @@ def clear_cache() -> None:
     CACHE.clear()
 
 
-class TextWorldEpisode(Episode):
+class TextWorldEpisode(Replaying[LiveGame], Episode):
     """The model plays one game of the pool."""
 
     def __init__(self, config: TextWorldConfig, game: str) -> None:
@@ -209,22 +209,14 @@ class TextWorldEpisode(Episode):
         self.score = 0
         self._live: LiveGame | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        if self._live is not None:
-            CACHE.remember(self.key, self._live)
-        state["_live"] = None
-        return state
+    def _cache(self) -> LiveCache[LiveGame]:
+        return CACHE
 
-    def _game(self) -> LiveGame:
-        live = self._live
-        if live is None or live.commands != self.commands:
-            live = CACHE.take(self.key, self.commands)
-        if live is None:
-            CACHE.replays += int(bool(self.commands))
-            live = LiveGame.replay(_game_file(self.game), self.commands)
-        self._live = live
-        return live
+    def _log(self) -> list[str]:
+        return self.commands
+
+    def _rebuild(self) -> LiveGame:
+        return LiveGame.replay(_game_file(self.game), self.commands)
 
     def _observation(self, live: LiveGame, text: str) -> str:
         if not self.config.show_admissible:
@@ -232,13 +224,13 @@ class TextWorldEpisode(Episode):
         return f"{text}\n\nCommands you can use now: {', '.join(live.admissible())}"
 
     def _initial(self) -> tuple[list[Message], StopCondition]:
-        live = self._game()
+        live = self._live_game()
         text = self._observation(live, clean_text(live.state.feedback, first=True))
         message: Message = {"role": "user", "content": f"{INSTRUCTIONS}\n\n{text}"}
         return [message], StopCondition(max_tokens=self.config.max_tokens)
 
     def _step(self, action: str) -> StepResult:
-        live = self._game()
+        live = self._live_game()
         command = parse_command(action)
         self.turns += 1
         gain = 0.0
