@@ -81,22 +81,35 @@ def measure(mode: str, recompute: bool, args: argparse.Namespace) -> dict[str, A
     large = probe(mode, LARGE, args.seq, recompute, args.threads)
     per_row = (large["peak_gib"] - small["peak_gib"]) / (LARGE - SMALL)
     base = small["peak_gib"] - SMALL * per_row
-    predicted = max(1, int((args.budget_gib - base) / per_row)) if per_row > 0 else args.max_rows
-    predicted = min(predicted, args.max_rows)
-    fits = probe(mode, predicted, args.seq, recompute, args.threads)
-    # The prediction is run: shrunk until it fits, and one row more is run beside it.
-    while fits["peak_gib"] > args.budget_gib and predicted > 1:
-        predicted -= 1
-        fits = probe(mode, predicted, args.seq, recompute, args.threads)
-    over = None
-    if predicted < args.max_rows:
-        over = probe(mode, predicted + 1, args.seq, recompute, args.threads)
+    # The line through the last two runs predicts the largest batch; each prediction is run,
+    # and the next line goes through it, between the largest size that fitted (`fit`) and the
+    # smallest that did not (`over`), until they are one row apart or the cap is reached.
+    runs = {SMALL: small["peak_gib"], LARGE: large["peak_gib"]}
+    last = (LARGE, large["peak_gib"])
+    fit, over = (LARGE, None) if large["peak_gib"] <= args.budget_gib else (0, LARGE)
+    for _ in range(args.max_probes):
+        slope = (last[1] - runs[SMALL]) / (last[0] - SMALL)
+        guess = int(SMALL + (args.budget_gib - runs[SMALL]) / slope) if slope > 0 else args.max_rows
+        upper = (over - 1) if over is not None else args.max_rows
+        guess = max(fit + 1, min(guess, upper))
+        if guess <= fit or guess in runs:
+            break
+        runs[guess] = probe(mode, guess, args.seq, recompute, args.threads)["peak_gib"]
+        last = (guess, runs[guess])
+        if runs[guess] <= args.budget_gib:
+            fit = guess
+        else:
+            over = guess
+        if over is not None and over - fit <= 1:
+            break
     result = {
         "base_gib": base,
         "per_token_kib": per_row / args.seq * 2**20,
-        "rows": predicted,
-        "peak_gib": fits["peak_gib"],
-        "over_peak_gib": over["peak_gib"] if over else None,
+        "rows": fit,
+        "at_least": over is None,
+        "peak_gib": runs.get(fit, float("nan")),
+        "over_rows": over,
+        "over_peak_gib": runs[over] if over is not None else None,
         "tok_s": large["tok_s"],
         "peak_small": small["peak_gib"],
         "peak_large": large["peak_gib"],
@@ -110,7 +123,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget-gib", type=float, default=8.0)
-    parser.add_argument("--max-rows", type=int, default=256)
+    parser.add_argument("--max-rows", type=int, default=64)
+    parser.add_argument("--max-probes", type=int, default=4)
     parser.add_argument("--write", action="store_true", help="Update docs/benchmarks.md.")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -135,8 +149,8 @@ def main() -> None:
         plain, saved = results[(mode, False)], results[(mode, True)]
         print(
             f"{mode}: largest batch in {args.budget_gib:g} GiB {plain['rows']} x {args.seq} "
-            f"tokens, recomputing {saved['rows']} x {args.seq} "
-            f"({saved['rows'] / plain['rows']:.1f}x); activations {plain['per_token_kib']:.0f} "
+            f"tokens, recomputing {'>= ' if saved['at_least'] else ''}{saved['rows']} x {args.seq} "
+            f"({saved['rows'] / max(plain['rows'], 1):.1f}x); activations {plain['per_token_kib']:.0f} "
             f"vs {saved['per_token_kib']:.0f} KiB/token; tokens/s recomputing "
             f"{saved['tok_s'] / plain['tok_s']:.2f}x of plain"
         )
@@ -158,18 +172,23 @@ def write_section(
     for mode, label in (("lora", f"LoRA r{LORA_RANK}"), ("full", "full fine-tuning")):
         for recompute in (False, True):
             r = results[(mode, recompute)]
-            over = f"{r['over_peak_gib']:.2f}" if r["over_peak_gib"] is not None else "(capped)"
+            if r["over_rows"] is not None:
+                over = f"{r['over_rows']} rows: {r['over_peak_gib']:.2f} GiB"
+            else:
+                over = "none run (at least this many fit)"
+            least = "at least " if r["at_least"] else ""
             rows.append(
                 f"| {label} | {'yes' if recompute else 'no'} | {r['peak_small']:.2f} / "
                 f"{r['peak_large']:.2f} | {r['base_gib']:.2f} | {r['per_token_kib']:.0f} | "
-                f"**{r['rows']}** x {args.seq} ({r['peak_gib']:.2f} GiB; one more row: {over}) | "
+                f"**{least}{r['rows']}** x {args.seq} ({r['peak_gib']:.2f} GiB) | {over} | "
                 f"{r['tok_s']:.0f} |"
             )
     ratios = []
     for mode in ("lora", "full"):
         plain, saved = results[(mode, False)], results[(mode, True)]
         ratios.append(
-            f"{mode}: {saved['rows'] / plain['rows']:.1f}x the batch, "
+            f"{mode}: {'at least ' if saved['at_least'] else ''}"
+            f"{saved['rows'] / max(plain['rows'], 1):.1f}x the batch, "
             f"{saved['tok_s'] / plain['tok_s']:.2f}x the tokens/s"
         )
     section = f"""## Memory of a training step (85M-parameter model)
@@ -182,11 +201,12 @@ CPU cores, {args.threads} torch threads, Python {platform.python_version()}, loa
 `forward_backward` + `optim_step` per process on rows of {args.seq} tokens, peak RSS
 (`ru_maxrss`). The step's memory without activations and the bytes each token adds come from
 two sizes ({SMALL} and {LARGE} rows); the largest batch within {args.budget_gib:g} GiB is
-predicted from them and then run (with one row more beside it). Recomputation is
+predicted from them, run, and predicted again through the last run (at most
+{args.max_probes} runs, at most {args.max_rows} rows). Recomputation is
 `forward_backward(recompute=True)` (JobSpec `activation_checkpointing`).
 
-| Policy | Recompute | Peak at {SMALL} / {LARGE} rows (GiB) | Without activations (GiB) | KiB per token | Largest batch in {args.budget_gib:g} GiB | tokens/s at {LARGE} rows |
-|---|---|---|---|---|---|---|
+| Policy | Recompute | Peak at {SMALL} / {LARGE} rows (GiB) | Without activations (GiB) | KiB per token | Largest batch in {args.budget_gib:g} GiB | Smallest run over it | tokens/s at {LARGE} rows |
+|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Recomputing activations, same run: {"; ".join(ratios)}.
