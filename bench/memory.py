@@ -92,7 +92,7 @@ def measure(mode: str, recompute: bool, args: argparse.Namespace) -> dict[str, A
         guess = int(SMALL + (args.budget_gib - runs[SMALL]) / slope) if slope > 0 else args.max_rows
         upper = (over - 1) if over is not None else args.max_rows
         guess = max(fit + 1, min(guess, upper))
-        if guess <= fit or guess in runs:
+        if guess > upper or guess in runs:
             break
         runs[guess] = probe(mode, guess, args.seq, recompute, args.threads)["peak_gib"]
         last = (guess, runs[guess])
