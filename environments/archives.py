@@ -71,12 +71,16 @@ class _Budget:
 
 
 def _inline(
-    row: dict[str, Any], number: int, base: str, archive: zipfile.ZipFile, budget: _Budget
+    row: dict[str, Any],
+    number: int,
+    base: str,
+    archive: zipfile.ZipFile,
+    names: set[str],
+    budget: _Budget,
 ) -> dict[str, Any]:
     images = row.get(IMAGE_COLUMN)
     if not isinstance(images, list):
         return row
-    names = set(archive.namelist())
     inlined: list[Any] = []
     for item in images:
         if not isinstance(item, str):
@@ -116,6 +120,7 @@ def unpack_zip(source: str | Path, target: str | Path, *, max_bytes: int) -> Non
     with archive, open(target, "w", encoding="utf-8") as out:
         data = _data_member(archive)
         base = posixpath.dirname(data.filename)
+        names = set(archive.namelist())
         try:
             lines = budget.read(archive, data).decode("utf-8").splitlines()
         except UnicodeDecodeError as exc:
@@ -131,5 +136,5 @@ def unpack_zip(source: str | Path, target: str | Path, *, max_bytes: int) -> Non
                 out.write(line + "\n")
                 continue
             if isinstance(row, dict):
-                row = _inline(row, number, base, archive, budget)
+                row = _inline(row, number, base, archive, names, budget)
             out.write(json.dumps(row) + "\n")
