@@ -6,8 +6,9 @@
 Runs the managed jobs' training loop (`workers.runners.loop.TrainingLoop`) in-process on the
 tiny model: LoRA r8, 16 prompts x 8 samples per step, GRPO, greedy evaluation on 100 held-out
 prompts (seeds the training groups never draw) at step 0, every `--eval-every` steps and at
-the end. It prints the held-out accuracy at each evaluation, the mean reward of the first and
-last steps and the wall time: whether the task is one the tiny model can learn in minutes.
+the end. It prints the held-out accuracy (a game's mean reward) at each evaluation, the mean
+reward of the first and last steps and the wall time: whether the task is one the tiny model
+can learn in minutes.
 """
 
 from __future__ import annotations
@@ -72,13 +73,18 @@ def main() -> None:
     finally:
         loop.close()
     wall = time.perf_counter() - started
-    accuracy = {
-        s: m["eval/accuracy"] for s, m in sorted(ctx.metrics.items()) if "eval/accuracy" in m
-    }
+    # Envs without a correctness flag (games) are judged by their mean held-out reward.
+    judged = (
+        "eval/accuracy"
+        if any("eval/accuracy" in m for m in ctx.metrics.values())
+        else ("eval/reward")
+    )
+    accuracy = {s: m[judged] for s, m in sorted(ctx.metrics.items()) if judged in m}
     rewards = [ctx.metrics[s].get("reward/mean", 0.0) for s in range(1, args.steps + 1)]
     head, tail = rewards[:10], rewards[-10:]
     print(
-        f"{args.env} {json.dumps(args.env_config)}: held-out accuracy "
+        f"{args.env} {json.dumps(args.env_config)}: held-out "
+        + ("accuracy " if judged == "eval/accuracy" else "mean reward ")
         + ", ".join(f"step {s}: {a:.2f}" for s, a in accuracy.items())
         + f"; mean reward first 10 steps {sum(head) / len(head):.3f}, last 10 "
         f"{sum(tail) / len(tail):.3f}; {wall:.0f} s"
