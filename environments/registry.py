@@ -31,6 +31,7 @@ from environments.envs.textarena_env import (
     TextArenaConfig,
     TextArenaGroupBuilder,
     TextArenaSelfPlayGroupBuilder,
+    TextArenaSnapshotGroupBuilder,
     game_names,
 )
 from environments.envs.textworld_env import TextWorldConfig, TextWorldGroupBuilder, check_game
@@ -139,6 +140,15 @@ def pairs_episodes(env_name: str, config: dict[str, Any] | None = None) -> bool:
     if env_name == "gomoku_selfplay":
         return True
     return env_name == "textarena" and (config or {}).get("opponent") == "selfplay"
+
+
+def frozen_opponent(env_name: str, config: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The frozen policy a config plays against, {"job": id or None (the base model),
+    "checkpoint": name or None}; None when its episodes play no frozen policy."""
+    config = config or {}
+    if env_name != "textarena" or config.get("opponent") != "snapshot":
+        return None
+    return {"job": config.get("opponent_job"), "checkpoint": config.get("opponent_checkpoint")}
 
 
 def shows_images(env_name: str) -> bool:
@@ -298,6 +308,8 @@ def _register_builtins() -> None:
     def textarena_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
         if config.opponent == "selfplay":
             return TextArenaSelfPlayGroupBuilder(config, seed, group_size)
+        if config.opponent == "snapshot":
+            return TextArenaSnapshotGroupBuilder(config, seed, group_size)
         return TextArenaGroupBuilder(config, seed, group_size)
 
     def textworld_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:

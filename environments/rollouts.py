@@ -209,38 +209,63 @@ def run_group(
     renderer: Renderer | None = None,
     *,
     max_turns: int = DEFAULT_MAX_TURNS,
+    opponent_fn: PolicyFn | None = None,
 ) -> list[Trajectory]:
     """Play the G episodes of one group and add the builder's group rewards.
 
     Episodes that share state (self-play) must run at the same time, each waiting for the
-    other's move, so a builder with `concurrent = True` gets one thread per episode.
+    other's move, so a builder with `concurrent = True` gets one thread per episode. The
+    builder's `opponent_episodes` are played by `opponent_fn` and left out of the result.
     """
+    if getattr(builder, "concurrent", False):
+        return play_concurrent(
+            builder,
+            renderer,
+            max_turns,
+            lambda e, frozen: _opponent_or_raise(opponent_fn, builder) if frozen else policy_fn,
+        )
+    name = builder.env_name
+    trajectories = [
+        run_episode(policy_fn, ep, renderer, env_name=name, max_turns=max_turns)
+        for ep in builder.make_episodes()
+    ]
+    return apply_group_rewards(builder, trajectories)
+
+
+def _opponent_or_raise(opponent_fn: PolicyFn | None, builder: GroupBuilder) -> PolicyFn:
+    if opponent_fn is None:
+        raise ValueError(f"{builder.env_name!r} plays a frozen opponent: give its policy")
+    return opponent_fn
+
+
+def play_concurrent(
+    builder: GroupBuilder,
+    renderer: Renderer | None,
+    max_turns: int,
+    policy_of: Callable[[int, bool], PolicyFn],
+) -> list[Trajectory]:
+    """One thread per episode, for episodes that wait for each other (self-play, a frozen
+    opponent): `policy_of(episode, frozen)` plays episode e, `frozen` when the builder lists
+    it among its `opponent_episodes`, whose trajectories are then dropped."""
     episodes = builder.make_episodes()
     name = builder.env_name
-    if getattr(builder, "concurrent", False):
-        results: list[Trajectory | None] = [None] * len(episodes)
+    frozen = builder.opponent_episodes()
+    fns = [policy_of(e, e in frozen) for e in range(len(episodes))]
+    results: list[Trajectory | None] = [None] * len(episodes)
 
-        def play(i: int) -> None:
-            results[i] = run_episode(
-                policy_fn, episodes[i], renderer, env_name=name, max_turns=max_turns
-            )
+    def play(e: int) -> None:
+        results[e] = run_episode(fns[e], episodes[e], renderer, env_name=name, max_turns=max_turns)
 
-        threads = [
-            threading.Thread(target=play, args=(i,), daemon=True) for i in range(len(episodes))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        trajectories = [
-            r if r is not None else Trajectory(turns=[], env_name=name, error="episode thread died")
-            for r in results
-        ]
-    else:
-        trajectories = [
-            run_episode(policy_fn, ep, renderer, env_name=name, max_turns=max_turns)
-            for ep in episodes
-        ]
+    threads = [threading.Thread(target=play, args=(e,), daemon=True) for e in range(len(episodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trajectories = [
+        r if r is not None else Trajectory(turns=[], env_name=name, error="episode thread died")
+        for e, r in enumerate(results)
+        if e not in frozen
+    ]
     return apply_group_rewards(builder, trajectories)
 
 

@@ -130,6 +130,12 @@ class GroupBuilder(abc.ABC):
     @abc.abstractmethod
     def make_episodes(self) -> list[Episode]: ...
 
+    def opponent_episodes(self) -> frozenset[int]:
+        """Episodes of `make_episodes()` played by a frozen opponent policy rather than the
+        policy in training: sampled from the opponent's weights, left out of the group's
+        trajectories (never trained on, no group reward). Default: none."""
+        return frozenset()
+
     def compute_group_rewards(self, trajectories: list[Trajectory]) -> list[float]:
         """Extra reward per episode computed over the whole group (ranking, self-play).
 

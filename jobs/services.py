@@ -48,7 +48,12 @@ from .quotas import (
     quota_usage,
 )
 from .spec import SpecError, parse_spec
-from .submission_checks import check_base_model, check_env_and_dataset, check_eval
+from .submission_checks import (
+    check_base_model,
+    check_env_and_dataset,
+    check_eval,
+    check_opponent,
+)
 
 __all__ = [
     "GpuRequestTooLarge",
@@ -237,6 +242,7 @@ def submit_job(
         # deleted between being found here and the job row naming it.
         dataset_ref, errors = check_env_and_dataset(parsed, team)
         errors = check_base_model(parsed) + errors + check_eval(parsed, team, kind)
+        errors += check_opponent(parsed, team)
         if errors:
             raise SpecError(errors)
         normalized = parsed.model_dump(mode="json")

@@ -22,6 +22,7 @@ from pydantic import (
 
 from environments.registry import (
     ContractError,
+    frozen_opponent,
     get_env,
     make_config,
     pairs_episodes,
@@ -324,6 +325,14 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
                 "self-play plays a group's episodes against each other in one process: 'inline'",
             )
         )
+    elif spec.rollout.env_execution == "queue" and frozen_opponent(env.name, spec.env_config):
+        errors.append(
+            (
+                "rollout.env_execution",
+                "a snapshot opponent is sampled beside the policy, in the trainer's process: "
+                "'inline'",
+            )
+        )
     return errors
 
 
@@ -336,6 +345,8 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         errors.append(("runner", "eval jobs run on the native runner"))
     if spec.env is not None and pairs_episodes(spec.env, spec.env_config):
         errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
+    if spec.env is not None and frozen_opponent(spec.env, spec.env_config):
+        errors.append(("runner", "a snapshot opponent is sampled by the native runner only"))
     if spec.env is not None and shows_images(spec.env):
         errors.append(
             ("runner", f"env {spec.env!r} shows images; the verl runner is text-only: native")

@@ -1,21 +1,30 @@
 """What a submission must satisfy beyond its spec's own rules: the base-model registry, the
-environment's data contract and the team's datasets, and what an eval job evaluates.
+environment's data contract and the team's datasets, what an eval job evaluates and the
+weights of a frozen opponent.
 
 Each check returns the errors it found as ``{"field", "reason"}`` dicts, for ``SpecError``.
 """
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
+
 from accounts.models import Team
 from environments.datasets import DatasetValidationError, resolve
-from environments.registry import ContractError, check_contract, get_env, shows_images
+from environments.registry import (
+    ContractError,
+    check_contract,
+    frozen_opponent,
+    get_env,
+    shows_images,
+)
 
 from . import artifacts
 from .datasets import BUILTIN_REF_PREFIX, find_team_dataset
 from .models import BaseModel, Job, JobKind
 from .spec import JobSpec, SpecError, check_base_model_limits, parse_spec
 
-__all__ = ["check_base_model", "check_env_and_dataset", "check_eval"]
+__all__ = ["check_base_model", "check_env_and_dataset", "check_eval", "check_opponent"]
 
 
 def check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
@@ -106,34 +115,72 @@ def check_eval(parsed: JobSpec, team: Team, kind: str) -> list[dict[str, str]]:
         return [{"field": "eval", "reason": "required for kind 'eval' ({} = the base model)"}]
     if parsed.eval.from_job is None:
         return []
-    source = Job.objects.filter(pk=parsed.eval.from_job, team=team).first()
+    return check_source_job(
+        team,
+        parsed.base_model,
+        parsed.eval.from_job,
+        parsed.eval.checkpoint,
+        fields=("eval.from_job", "eval.checkpoint"),
+    )
+
+
+def check_opponent(parsed: JobSpec, team: Team) -> list[dict[str, str]]:
+    """An env config that plays a frozen snapshot of another job's weights names one the
+    engine can load beside the policy: the rules of ``eval.from_job``."""
+    wanted = frozen_opponent(parsed.env, parsed.env_config) if parsed.env else None
+    if wanted is None or wanted["job"] is None:
+        return []
+    return check_source_job(
+        team,
+        parsed.base_model,
+        str(wanted["job"]),
+        wanted["checkpoint"],
+        fields=("env_config.opponent_job", "env_config.opponent_checkpoint"),
+    )
+
+
+def check_source_job(
+    team: Team,
+    base_model: str,
+    job_id: str,
+    checkpoint: str | None,
+    *,
+    fields: tuple[str, str],
+) -> list[dict[str, str]]:
+    """Weights another job trained, loaded into this one: a LoRA training job of `team` on
+    `base_model` with `checkpoint` or, without one, its final adapter on disk. `fields` name
+    the job and the checkpoint in the errors."""
+    job_field, checkpoint_field = fields
+    try:
+        source = Job.objects.filter(pk=job_id, team=team).first()
+    except ValidationError:  # not a UUID: a config that skipped its own check
+        source = None
     if source is None:
-        reason = f"team {team.slug!r} has no job {parsed.eval.from_job}"
-        return [{"field": "eval.from_job", "reason": reason}]
+        return [{"field": job_field, "reason": f"team {team.slug!r} has no job {job_id}"}]
     try:
         source_spec = parse_spec(source.spec)
     except SpecError:
         source_spec = None
     if source_spec is None or source_spec.method not in ("rl", "sft") or source.kind != "train":
-        return [{"field": "eval.from_job", "reason": "is not a training job (rl or sft)"}]
+        return [{"field": job_field, "reason": "is not a training job (rl or sft)"}]
     if source_spec.full_finetune:
-        reason = "trained every weight (full_finetune); eval jobs load LoRA adapters"
-        return [{"field": "eval.from_job", "reason": reason}]
-    if source_spec.base_model != parsed.base_model:
+        reason = "trained every weight (full_finetune); only LoRA adapters load beside a policy"
+        return [{"field": job_field, "reason": reason}]
+    if source_spec.base_model != base_model:
         reason = f"job {source.pk} trained base model {source_spec.base_model!r}"
         return [{"field": "base_model", "reason": reason}]
-    if parsed.eval.checkpoint is not None:
-        if artifacts.checkpoint_file(source.pk, parsed.eval.checkpoint) is None:
+    if checkpoint is not None:
+        if artifacts.checkpoint_file(source.pk, checkpoint) is None:
             listed = artifacts.checkpoints(source.pk)
-            # Eval jobs load the native engine's state; verl checkpoints are not for it.
+            # The native engine's state loads here; verl checkpoints are not for it.
             names = ", ".join(c["name"] for c in listed if c["kind"] == "native") or "none"
-            reason = f"job {source.pk} has no checkpoint {parsed.eval.checkpoint!r}; has: {names}"
-            return [{"field": "eval.checkpoint", "reason": reason}]
+            reason = f"job {source.pk} has no checkpoint {checkpoint!r}; has: {names}"
+            return [{"field": checkpoint_field, "reason": reason}]
         return []
     if artifacts.adapter_dir(source.pk) is None:
         reason = (
             f"job {source.pk} has no final adapter yet (state {source.state}); "
-            "name one of its checkpoints in eval.checkpoint"
+            f"name one of its checkpoints in {checkpoint_field}"
         )
-        return [{"field": "eval.from_job", "reason": reason}]
+        return [{"field": job_field, "reason": reason}]
     return []

@@ -1,6 +1,8 @@
 """`textarena` (generator x multi turn): TextArena games (MIT, an optional dependency: the
 `envs` extra), one-player puzzles against the game, two-player games against a fixed opponent
-that plays random legal moves, or in self-play where two episodes of the group are the two seats.
+(random legal moves, or a frozen snapshot of a policy: the base model or another job's weights,
+sampled beside the learner and never trained), or in self-play where two episodes of the group
+are the two seats.
 
 Only the games of `GAMES` are offered: they run on Python 3.11 with no network (several
 TextArena games need 3.12 syntax, NLTK corpora that download, or a remote LLM), and each was
@@ -90,12 +92,20 @@ def game_names() -> list[str]:
 class TextArenaConfig:
     game: str = "TicTacToe-v0"
     """A TextArena game id from the allowlist (the list is under `choices`)."""
-    opponent: Literal["random", "selfplay"] = "random"
-    """Two-player games: "random" (a fixed opponent playing random legal moves) or "selfplay"
-    (episodes 2i and 2i+1 of a group play each other; needs an even group size, inline only).
-    One-player games have no opponent and ignore it."""
+    opponent: Literal["random", "selfplay", "snapshot"] = "random"
+    """Two-player games: "random" (a fixed opponent playing random legal moves), "selfplay"
+    (episodes 2i and 2i+1 of a group play each other; needs an even group size, inline only)
+    or "snapshot" (a frozen policy plays the other seat of each episode: `opponent_job`'s
+    weights, or the base model; inline only). One-player games have no opponent."""
+    opponent_job: str | None = None
+    """"snapshot" only: the id of a LoRA job of the team on the same base model whose final
+    adapter (or `opponent_checkpoint`) plays the opponent; null: the base model itself."""
+    opponent_checkpoint: str | None = Field(
+        default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$"
+    )
+    """A checkpoint of `opponent_job` (e.g. "step-000010") instead of its final adapter."""
     model_seat: int | Literal["random"] = 0
-    """Against the random opponent: the seat the model plays (0 usually moves first), or
+    """Against a fixed opponent: the seat the model plays (0 usually moves first), or
     "random" (drawn from the group seed)."""
     illegal_penalty: float = -0.1
     """Reward of a turn whose move the game refused."""
@@ -117,8 +127,27 @@ class TextArenaConfig:
     @classmethod
     def _opponent_fits(cls, value: str, info: ValidationInfo) -> str:
         game = info.data.get("game")
-        if value == "selfplay" and game is not None and GAMES[game].players != 2:
-            raise ValueError(f"{game!r} is a one-player game: there is no seat to self-play")
+        if value in ("selfplay", "snapshot") and game is not None and GAMES[game].players != 2:
+            raise ValueError(f"{game!r} is a one-player game: there is no seat for {value}")
+        return value
+
+    @field_validator("opponent_job")
+    @classmethod
+    def _job_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if info.data.get("opponent") != "snapshot":
+            raise ValueError('names the weights of a "snapshot" opponent: set opponent too')
+        try:
+            return str(uuid.UUID(value))
+        except ValueError:
+            raise ValueError("must be a job id (UUID)") from None
+
+    @field_validator("opponent_checkpoint")
+    @classmethod
+    def _checkpoint_of_a_job(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("opponent_job") is None:
+            raise ValueError("names a checkpoint of `opponent_job`: give both")
         return value
 
     @field_validator("model_seat")
@@ -549,3 +578,36 @@ class TextArenaSelfPlayGroupBuilder(GroupBuilder):
             game = TextArenaCoordinator(self.config, self.seed)
             episodes += [TextArenaSelfPlayEpisode(game, 0), TextArenaSelfPlayEpisode(game, 1)]
         return episodes
+
+
+@dataclass
+class TextArenaSnapshotGroupBuilder(GroupBuilder):
+    """G games of the group's seed against a frozen policy: episode 2i is the learner's seat
+    of game i, episode 2i+1 the opponent's, played by the frozen policy (`opponent_episodes`)
+    and never trained on. Same coordinator and turn protocol as self-play."""
+
+    config: TextArenaConfig
+    seed: int
+    group_size: int
+    env_name: str = "textarena"
+    concurrent: bool = True
+
+    def learner_seat(self) -> int:
+        seat = self.config.model_seat
+        if seat == "random":
+            return random.Random(f"textarena-seat-{self.seed}").randrange(2)
+        return int(seat)
+
+    def make_episodes(self) -> list[Episode]:
+        mine = self.learner_seat()
+        episodes: list[Episode] = []
+        for _ in range(self.group_size):
+            game = TextArenaCoordinator(self.config, self.seed)
+            episodes += [
+                TextArenaSelfPlayEpisode(game, mine),
+                TextArenaSelfPlayEpisode(game, 1 - mine),
+            ]
+        return episodes
+
+    def opponent_episodes(self) -> frozenset[int]:
+        return frozenset(range(1, 2 * self.group_size, 2))

@@ -18,6 +18,7 @@ from environments.envs.textarena_env import (
     GAMES,
     TextArenaEpisode,
     TextArenaSelfPlayGroupBuilder,
+    TextArenaSnapshotGroupBuilder,
     clear_cache,
     game_names,
 )
@@ -172,6 +173,35 @@ def test_it_plays_both_seats_in_self_play_with_each_seats_reward() -> None:
     assert nim[0].total_reward == 1.0 and nim[1].total_reward == -1.0
 
 
+def test_it_plays_a_frozen_opponent_and_returns_only_the_learners_episodes() -> None:
+    builder = _group("TicTacToe-v0", group_size=3, opponent="snapshot")
+    assert isinstance(builder, TextArenaSnapshotGroupBuilder) and builder.concurrent
+    assert builder.opponent_episodes() == {1, 3, 5}
+    # An opponent that never makes a legal move forfeits: every learner game is a win.
+    won = run_group(first_listed, builder, opponent_fn=hopeless)
+    assert len(won) == 3
+    for traj in won:
+        assert traj.error is None and traj.total_reward == 1.0
+        assert traj.turns[-1].info["seat"] == 0 and traj.turns[-1].info["outcome"] == "win"
+    # Seat 1 against the same first-listed play as its own: O (seat 0) wins on the diagonal.
+    lost = run_group(
+        first_listed,
+        _group("TicTacToe-v0", group_size=2, opponent="snapshot", model_seat=1),
+        opponent_fn=first_listed,
+    )
+    assert [t.total_reward for t in lost] == [-1.0, -1.0]
+    assert [t.action_text for t in lost[0].turns] == ["[1]", "[3]", "[5]"]
+    assert lost[0].turns[-1].info["seat"] == 1
+    # The learner seat "random" is drawn once per group from its seed.
+    seats = {
+        _group("Nim-v0", seed=s, opponent="snapshot", model_seat="random").learner_seat()
+        for s in range(8)
+    }
+    assert seats == {0, 1}
+    with pytest.raises(ValueError, match="frozen opponent"):
+        run_group(first_listed, builder)
+
+
 def test_it_penalises_an_illegal_move_in_self_play_and_lets_the_seat_retry() -> None:
     def policy(inp: PolicyInput) -> str:
         text = _seen(inp)
@@ -285,7 +315,23 @@ def test_it_keeps_each_games_randomness_to_itself() -> None:
             "env_config.opponent",
             "one-player",
         ),
-        ({"opponent": "frozen"}, "env_config.opponent", "'random' or 'selfplay'"),
+        ({"opponent": "frozen"}, "env_config.opponent", "'selfplay' or 'snapshot'"),
+        (
+            {"game": "Mastermind-v0", "opponent": "snapshot"},
+            "env_config.opponent",
+            "no seat for snapshot",
+        ),
+        (
+            {"opponent_job": "8d0b6a7e-3f4e-4a51-9a57-0c1d2e3f4a5b"},
+            "env_config.opponent_job",
+            '"snapshot" opponent',
+        ),
+        ({"opponent": "snapshot", "opponent_job": "job-7"}, "env_config.opponent_job", "UUID"),
+        (
+            {"opponent": "snapshot", "opponent_checkpoint": "step-000002"},
+            "env_config.opponent_checkpoint",
+            "give both",
+        ),
         ({"model_seat": 2}, "env_config.model_seat", "seats 0 to 1"),
         ({"illegal_penalty": "a lot"}, "env_config.illegal_penalty", "number"),
         ({"move_timeout_s": 0}, "env_config.move_timeout_s", "greater than 0"),
@@ -302,12 +348,18 @@ def test_it_names_the_setting_of_a_bad_config(
 
 
 def test_it_makes_picklable_reproducible_builders() -> None:
-    for config in ({"game": "KuhnPoker-v0"}, {"game": "Nim-v0", "opponent": "selfplay"}):
+    for config in (
+        {"game": "KuhnPoker-v0"},
+        {"game": "Nim-v0", "opponent": "selfplay"},
+        {"game": "Nim-v0", "opponent": "snapshot"},
+    ):
         a = make_group_builders("textarena", config=config, n_groups=2, group_size=2, seed=7)
         b = make_group_builders("textarena", config=config, n_groups=2, group_size=2, seed=7)
         assert pickle.dumps(a) == pickle.dumps(b)
         restored = pickle.loads(pickle.dumps(a))
-        assert len(restored[0].make_episodes()) == 2
+        # A snapshot group's G learner seats each face a frozen opponent's seat.
+        seats = 4 if config.get("opponent") == "snapshot" else 2
+        assert len(restored[0].make_episodes()) == seats
     # The episodes of one group face the same deal, so their advantages compare play.
     (group,) = make_group_builders(
         "textarena", config={"game": "KuhnPoker-v0"}, n_groups=1, group_size=2, seed=7

@@ -120,3 +120,49 @@ def test_it_refuses_to_evaluate_a_full_finetune_job(
         name="e",
         kind=JobKind.EVAL,
     ) == ["eval.from_job"]
+
+
+def test_it_checks_the_job_a_snapshot_opponent_names(
+    team: Any, owner: Any, other_team: Any, trained: Job
+) -> None:
+    pytest.importorskip("textarena")
+
+    def spec(**env_config: Any) -> dict[str, Any]:
+        return {
+            "method": "rl",
+            "env": "textarena",
+            "env_config": {"game": "TicTacToe-v0", "opponent": "snapshot", **env_config},
+            "rollout": {"max_turns": 6},
+        }
+
+    def submit(env_config: dict[str, Any], **kw: Any) -> list[str]:
+        return fields_of(
+            team=kw.get("team", team),
+            user=owner,
+            spec={**spec(**env_config), **kw.get("more", {})},
+            name="vs",
+        )
+
+    job = str(trained.pk)
+    # No final adapter yet: its saved checkpoint may play, the rules of eval.from_job.
+    assert submit({"opponent_job": job}) == ["env_config.opponent_job"]
+    assert submit({"opponent_job": job, "opponent_checkpoint": "step-9"}) == [
+        "env_config.opponent_checkpoint"
+    ]
+    assert submit({"opponent_job": str(uuid.uuid4())}) == ["env_config.opponent_job"]
+    assert submit({"opponent_job": job, "opponent_checkpoint": "step-000002"}, team=other_team) == [
+        "env_config.opponent_job"
+    ]
+    # The frozen policy samples in the trainer's process, on the native runner.
+    assert submit({}, more={"rollout": {"env_execution": "queue"}}) == ["rollout.env_execution"]
+    assert submit({}, more={"runner": "verl"}) == ["runner"]
+    ok = services.submit_job(
+        team=team,
+        user=owner,
+        spec=spec(opponent_job=job, opponent_checkpoint="step-000002"),
+        name="vs",
+    )
+    assert ok.spec["env_config"]["opponent_job"] == job
+    assert services.submit_job(team=team, user=owner, spec=spec(), name="vs-base").state == (
+        JobState.QUEUED
+    )

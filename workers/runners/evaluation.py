@@ -22,7 +22,7 @@ from training.policy import Policy
 from workers.runners.data_processing import correct_flag, mean
 from workers.runners.loop_types import EVAL_DIR, SUMMARY_FILE, LoopContext, TrainingError
 from workers.runners.pictures import renderer_for
-from workers.runners.rollouts import play_groups
+from workers.runners.rollouts import Opponent, play_groups
 
 __all__ = ["EVAL_SEED_OFFSET", "evaluate_snapshot", "run_eval"]
 
@@ -39,6 +39,7 @@ def evaluate_snapshot(
     policy: Policy | None,
     version: int | None,
     out_path: Path,
+    opponent: Opponent | None = None,
 ) -> dict[str, float]:
     """Play the held-out prompts greedily with one snapshot (None: the base model).
 
@@ -78,6 +79,7 @@ def evaluate_snapshot(
         max_turns=spec.rollout.max_turns,
         seed_of=lambda g, e, t: 0,
         env_execution=spec.rollout.env_execution,
+        opponent=opponent,
     )
     trajectories = [t for group in groups for t in group]
     rewards = [t.total_reward for t in trajectories]
@@ -126,6 +128,7 @@ def run_eval(
     eval_rows: list[dict[str, Any]] | None,
     policy: Policy | None,
     source: Mapping[str, Any],
+    opponent: Opponent | None = None,
 ) -> dict[str, float] | None:
     """An eval job: evaluate `policy` (None: the base model) once, training switched off.
 
@@ -145,6 +148,7 @@ def run_eval(
         policy=policy,
         version=version,
         out_path=workdir / EVAL_DIR / "transcripts.jsonl",
+        opponent=opponent,
     )
     if ctx.cancelled():
         return None

@@ -63,7 +63,7 @@ from workers.runners.loop_types import (
     TrainingError,
 )
 from workers.runners.pictures import renderer_for
-from workers.runners.rollouts import RolloutStats, play_groups
+from workers.runners.rollouts import Opponent, RolloutStats, play_groups
 
 __all__ = ["MICRO_BATCH", "TrainingLoop"]
 
@@ -102,8 +102,11 @@ class TrainingLoop:
         eval_rows: list[dict[str, Any]] | None,
         policy_id: str,
         collective: Collective | None = None,
+        opponent: Opponent | None = None,
     ) -> None:
         self.ctx = ctx
+        self.opponent = opponent
+        """The frozen policy of an env that plays one (`GroupBuilder.opponent_episodes`)."""
         self.collective = collective
         self.rank = collective.rank if collective is not None else 0
         self.world = collective.world if collective is not None else 1
@@ -271,6 +274,7 @@ class TrainingLoop:
             seed_of=lambda g, e, t: mix_seed(spec.seed, step, places[g], e, t),
             stats=stats,
             env_execution=spec.rollout.env_execution,
+            opponent=self.opponent,
         )
         return _Rollouts(version, groups, stats)
 
@@ -476,6 +480,7 @@ class TrainingLoop:
             policy=self.policy,
             version=version,
             out_path=self.workdir / EVAL_DIR / f"step-{self.step:06d}.jsonl",
+            opponent=self.opponent,
         )
         self.last_eval = {k: v for k, v in metrics.items() if k != "eval/seconds"}
         return metrics

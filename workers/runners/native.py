@@ -16,14 +16,17 @@ checkpoints and exports).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from environments.registry import frozen_opponent
 from jobs import artifacts
 from jobs.models import Job
 from jobs.spec import JobSpec, parse_spec
 from training.engine import Engine
+from training.policy import Policy
 from workers import conf, gang
 from workers.runners.adapters import load_peft_adapter
 from workers.runners.base import JobContext, MemberLost
@@ -32,29 +35,69 @@ from workers.runners.engines import engine_for, policy_from_spec
 from workers.runners.evaluation import run_eval
 from workers.runners.inputs import base_model_path, dataset_rows, eval_job_rows
 from workers.runners.loop import TrainingLoop
+from workers.runners.rollouts import Opponent
+
+
+def _load_job_weights(
+    engine: Engine, job_id: str | None, checkpoint: str | None, policy_id: str
+) -> Policy | None:
+    """A new engine policy holding job `job_id`'s final adapter, or its `checkpoint`; None
+    for no job (the base model). The caller removes it from the engine."""
+    if job_id is None:
+        return None
+    # The job that trained the weights shapes the policy they load into.
+    trained = parse_spec(Job.objects.get(pk=job_id).spec)
+    policy = policy_from_spec(engine, trained, policy_id=policy_id)
+    try:
+        if checkpoint is not None:
+            path = artifacts.checkpoint_file(job_id, checkpoint)
+            if path is None:
+                raise LookupError(f"checkpoint {checkpoint!r} of job {job_id} is gone")
+            policy.load_state(path)
+        else:
+            adapter = artifacts.adapter_dir(job_id)
+            if adapter is None:
+                raise LookupError(f"job {job_id} has no final adapter")
+            load_peft_adapter(policy, adapter)
+    except BaseException:
+        engine.remove_policy(policy.id)
+        raise
+    return policy
+
+
+@contextmanager
+def _frozen_opponent(engine: Engine, spec: JobSpec, policy_id: str) -> Iterator[Opponent | None]:
+    """The frozen policy the job's env config plays against (environments.registry
+    .frozen_opponent), loaded for the attempt and removed after it; None if it plays none."""
+    wanted = frozen_opponent(str(spec.env), spec.env_config) if spec.env else None
+    if wanted is None:
+        yield None
+        return
+    policy = _load_job_weights(engine, wanted["job"], wanted["checkpoint"], policy_id)
+    try:
+        yield Opponent(policy.id if policy is not None else None)
+    finally:
+        if policy is not None:
+            engine.remove_policy(policy.id)
 
 
 def _run_eval(ctx: JobContext, spec: JobSpec, engine: Engine) -> None:
     """Load the snapshot the spec names (or none: the base model) and evaluate it."""
     assert spec.eval is not None
     source: dict[str, Any] = {"from_job": spec.eval.from_job, "checkpoint": spec.eval.checkpoint}
-    policy = None
-    if spec.eval.from_job is not None:
-        # The job that trained the snapshot shapes the policy it loads into.
-        trained = parse_spec(Job.objects.get(pk=spec.eval.from_job).spec)
-        policy = policy_from_spec(engine, trained, policy_id=f"eval-{ctx.job_id}-{ctx.attempt}")
+    tag = f"{ctx.job_id}-{ctx.attempt}"
+    policy = _load_job_weights(engine, spec.eval.from_job, spec.eval.checkpoint, f"eval-{tag}")
     try:
-        if policy is not None and spec.eval.checkpoint is not None:
-            path = artifacts.checkpoint_file(spec.eval.from_job, spec.eval.checkpoint)
-            if path is None:
-                raise LookupError(f"checkpoint {spec.eval.checkpoint!r} is gone")
-            policy.load_state(path)
-        elif policy is not None:
-            adapter = artifacts.adapter_dir(spec.eval.from_job)
-            if adapter is None:
-                raise LookupError(f"job {spec.eval.from_job} has no final adapter")
-            load_peft_adapter(policy, adapter)
-        run_eval(ctx, spec, engine, eval_rows=eval_job_rows(spec), policy=policy, source=source)
+        with _frozen_opponent(engine, spec, f"opponent-{tag}") as opponent:
+            run_eval(
+                ctx,
+                spec,
+                engine,
+                eval_rows=eval_job_rows(spec),
+                policy=policy,
+                source=source,
+                opponent=opponent,
+            )
     finally:
         if policy is not None:
             engine.remove_policy(policy.id)
@@ -74,21 +117,25 @@ def run(ctx: JobContext) -> None:
     collective = None
     if len(plan) > 1:
         collective = _host_ranks(ctx, len(plan), device)
-    loop = TrainingLoop(
-        ctx,
-        spec,
-        engine,
-        rows=rows,
-        eval_rows=eval_rows,
-        policy_id=f"job-{ctx.job_id}-{ctx.attempt}",
-        collective=collective,
-    )
     try:
-        loop.run()
+        with _frozen_opponent(engine, spec, f"opponent-{ctx.job_id}-{ctx.attempt}") as opponent:
+            loop = TrainingLoop(
+                ctx,
+                spec,
+                engine,
+                rows=rows,
+                eval_rows=eval_rows,
+                policy_id=f"job-{ctx.job_id}-{ctx.attempt}",
+                collective=collective,
+                opponent=opponent,
+            )
+            try:
+                loop.run()
+            finally:
+                loop.close()
     except PeerLost as exc:
         raise MemberLost(str(exc)) from exc
     finally:
-        loop.close()
         if collective is not None:
             collective.close()
 
@@ -156,18 +203,22 @@ def join(
     collective = Collective.join(
         rendezvous=address, rank=rank, world=world, device=device, timeout_s=timeout
     )
-    loop = TrainingLoop(
-        FollowerContext(workdir, attempt),
-        spec,
-        engine,
-        rows=rows,
-        eval_rows=[],
-        policy_id=f"job-{job_id}-{attempt}-rank{rank}",
-        collective=collective,
-    )
     try:
-        loop.run()
+        with _frozen_opponent(engine, spec, f"opponent-{job_id}-{attempt}-rank{rank}") as opponent:
+            loop = TrainingLoop(
+                FollowerContext(workdir, attempt),
+                spec,
+                engine,
+                rows=rows,
+                eval_rows=[],
+                policy_id=f"job-{job_id}-{attempt}-rank{rank}",
+                collective=collective,
+                opponent=opponent,
+            )
+            try:
+                loop.run()
+            finally:
+                loop.close()
     finally:
-        loop.close()
         collective.close()
     return True

@@ -8,7 +8,6 @@ requests, and so the same trajectories, either way.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,10 +18,11 @@ from environments.remote import RemoteGroups
 from environments.renderer import Renderer
 from environments.rollouts import (
     EpisodeRecorder,
+    PolicyFn,
     PolicyInput,
     PolicyOutput,
     apply_group_rewards,
-    run_episode,
+    play_concurrent,
 )
 from environments.types import GroupBuilder, StepResult, Trajectory
 from training.engine import Engine
@@ -32,10 +32,19 @@ from training.types import SamplingParams
 from workers.runners.loop_types import TrainingError
 from workers.runners.pictures import images_of
 
-__all__ = ["InlineGroups", "RolloutStats", "SeedFn", "play_groups"]
+__all__ = ["InlineGroups", "Opponent", "RolloutStats", "SeedFn", "play_groups"]
 
 # (group, episode, turn) -> the sampling seed of that row.
 SeedFn = Callable[[int, int, int], int]
+
+
+@dataclass(frozen=True)
+class Opponent:
+    """The frozen policy that plays a builder's `opponent_episodes`: an engine policy (None:
+    the base model) at a published version (None: its live weights, which nothing trains)."""
+
+    policy_id: str | None
+    version: int | None = None
 
 
 @dataclass
@@ -98,6 +107,7 @@ def play_groups(
     seed_of: SeedFn,
     stats: RolloutStats | None = None,
     env_execution: str = "inline",
+    opponent: Opponent | None = None,
 ) -> list[list[Trajectory]]:
     """Play every group to the end with one sampler batch per turn across all live episodes.
 
@@ -106,7 +116,8 @@ def play_groups(
     process (`env_execution` "inline") or on env workers ("queue": one task per group and
     turn, `environments.remote.RemoteGroups`); the requests to the sampler, and so the
     trajectories, are the same either way. Builders whose episodes must run concurrently
-    (self-play) run inline, one thread per episode with a one-row policy function.
+    (self-play, a frozen opponent) run inline, one thread per episode with a one-row policy
+    function; `opponent` samples the builder's `opponent_episodes`, which are not returned.
     `seed_of(group, episode, turn)` gives each row's sampling seed.
     """
     started = time.perf_counter()
@@ -131,16 +142,25 @@ def play_groups(
             stop_token_ids=inp.stop.stop_token_ids,
         )
 
-    def one_row(inp: PolicyInput, g: int, e: int, turn: int) -> PolicyOutput:
-        params = params_for(inp, seed_of(g, e, turn))
-        if params is None:
-            raise TrainingError("the conversation filled the model's context")
-        request = SampleRequest(
-            inp.tokens, params, 1, policy_id, version, images_of(engine, inp.messages)
+    def row_policy(g: int, e: int, frozen: bool) -> PolicyFn:
+        """Episode e of group g, one sampler row a turn, its seeds its own."""
+        if frozen and opponent is None:
+            raise TrainingError(f"{builders[g].env_name!r} plays a frozen opponent: none given")
+        who, at = (
+            (opponent.policy_id, opponent.version) if frozen and opponent else (policy_id, version)
         )
-        seq = sample(engine, [request])[0][0]
-        counter.sampled_tokens += len(seq.tokens)
-        return PolicyOutput(tokens=seq.tokens, logprobs=seq.logprobs)
+        turns = iter(range(max_turns + 1))
+
+        def one_row(inp: PolicyInput) -> PolicyOutput:
+            params = params_for(inp, seed_of(g, e, next(turns)))
+            if params is None:
+                raise TrainingError("the conversation filled the model's context")
+            request = SampleRequest(inp.tokens, params, 1, who, at, images_of(engine, inp.messages))
+            seq = sample(engine, [request])[0][0]
+            counter.sampled_tokens += len(seq.tokens)
+            return PolicyOutput(tokens=seq.tokens, logprobs=seq.logprobs)
+
+        return one_row
 
     if env_execution not in ("inline", "queue"):
         raise ValueError(f"env_execution must be 'inline' or 'queue', not {env_execution!r}")
@@ -156,8 +176,8 @@ def play_groups(
                 "it runs inline only"
             )
         else:
-            results[g] = _play_concurrent(
-                builder, renderer, max_turns, lambda inp, e, t, g=g: one_row(inp, g, e, t)
+            results[g] = play_concurrent(
+                builder, renderer, max_turns, lambda e, frozen, g=g: row_policy(g, e, frozen)
             )
 
     envs: Any
@@ -229,35 +249,3 @@ def play_groups(
         results[g] = apply_group_rewards(builders[g], [rec.trajectory for rec in row])
     counter.seconds += time.perf_counter() - started
     return [r for r in results if r is not None]
-
-
-def _play_concurrent(
-    builder: GroupBuilder, renderer: Renderer, max_turns: int, row_fn: Any
-) -> list[Trajectory]:
-    """Episodes that wait for each other (self-play): one thread each, as `rollouts.run_group`
-    does, but each with its own policy function so that its sampling seeds are its own."""
-    episodes = builder.make_episodes()
-    out: list[Trajectory | None] = [None] * len(episodes)
-
-    def play(e: int) -> None:
-        turns = iter(range(max_turns + 1))
-
-        def policy_fn(inp: PolicyInput) -> PolicyOutput:
-            return row_fn(inp, e, next(turns))
-
-        out[e] = run_episode(
-            policy_fn, episodes[e], renderer, env_name=builder.env_name, max_turns=max_turns
-        )
-
-    threads = [threading.Thread(target=play, args=(e,), daemon=True) for e in range(len(episodes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    trajectories = [
-        t
-        if t is not None
-        else Trajectory(turns=[], env_name=builder.env_name, error="episode thread died")
-        for t in out
-    ]
-    return apply_group_rewards(builder, trajectories)
