@@ -27,12 +27,10 @@ from environments.envs.scienceworld_env import (
     ScienceWorldGroupBuilder,
     listed_tasks,
 )
-from environments.envs.textarena_env import (
-    TextArenaConfig,
-    TextArenaGroupBuilder,
+from environments.envs.textarena_env import TextArenaConfig, TextArenaGroupBuilder, game_names
+from environments.envs.textarena_seats import (
     TextArenaSelfPlayGroupBuilder,
     TextArenaSnapshotGroupBuilder,
-    game_names,
 )
 from environments.envs.textworld_env import TextWorldConfig, TextWorldGroupBuilder, check_game
 from environments.schema import Column, DatasetSchema

@@ -14,13 +14,10 @@ from typing import Any
 import pytest
 
 from environments.envs import textarena_env
-from environments.envs.textarena_env import (
-    GAMES,
-    TextArenaEpisode,
+from environments.envs.textarena_env import GAMES, TextArenaEpisode, clear_cache, game_names
+from environments.envs.textarena_seats import (
     TextArenaSelfPlayGroupBuilder,
     TextArenaSnapshotGroupBuilder,
-    clear_cache,
-    game_names,
 )
 from environments.registry import (
     ContractError,
