@@ -452,7 +452,9 @@ def main() -> None:
     after = f"{os.getloadavg()[0]:.2f}"
     print(f"load average {after}", flush=True)
     if args.write:
-        path = write_section("OpenAI serving", section(runs, args, (before, after)))
+        path = write_section(
+            "OpenAI serving", section(runs, args, (before, after)), keep_subsections=True
+        )
         print(f"wrote {path.relative_to(ROOT)}")
 
 

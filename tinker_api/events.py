@@ -77,6 +77,31 @@ def read(request_id: str, after: str, block_ms: int) -> list[tuple[str, dict[str
     return out
 
 
+def coalesce(got: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """``read``'s events with each run of consecutive ``delta`` events merged into one (per
+    choice, its texts joined and its logprob entries in order): a reader that fell behind
+    answers with one chunk per choice for all it missed, not one per decode step. The merged
+    event keeps the id of the last one it holds."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for ident, event in got:
+        if event.get("t") != "delta" or not out or out[-1][1].get("t") != "delta":
+            out.append((ident, event))
+            continue
+        # A copy: the caller's events stay as they were read.
+        merged = {"t": "delta", "c": [dict(c) for c in out[-1][1]["c"]]}
+        by_choice = {c["i"]: c for c in merged["c"]}
+        for c in event["c"]:
+            before = by_choice.get(c["i"])
+            if before is None:
+                merged["c"].append(c)
+                by_choice[c["i"]] = c
+            else:
+                before["text"] += c["text"]
+                before["lp"] = before["lp"] + c["lp"]
+        out[-1] = (ident, merged)
+    return out
+
+
 def cancel(request_id: str) -> None:
     conf.get_redis().set(cancel_key(request_id), "1", ex=CANCEL_TTL)
 

@@ -226,6 +226,12 @@ OPENTINKER_TINKER_SAMPLE_QUEUE_LIMIT = read_int(
 # OpenAI-style serving (/v1): requests one team may have in flight at once, across its keys
 # and base models (more are answered 429), so that one team cannot take a whole queue.
 OPENTINKER_OPENAI_TEAM_CONCURRENCY = read_int("OPENTINKER_OPENAI_TEAM_CONCURRENCY", 32, minimum=1)
+# A stream's text leaves the model worker at most this often (its first text at once): each
+# event costs the worker, Valkey, the web server and the client the same whatever it holds,
+# so a few tokens per event instead of one cut that cost several times. 0: every token.
+OPENTINKER_OPENAI_STREAM_INTERVAL_MS = read_int(
+    "OPENTINKER_OPENAI_STREAM_INTERVAL_MS", 50, minimum=0, maximum=1000
+)
 OPENTINKER_TINKER_LONG_POLL_SECONDS = read_int(
     "OPENTINKER_TINKER_LONG_POLL_SECONDS", 10, minimum=0, maximum=300
 )

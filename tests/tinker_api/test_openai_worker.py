@@ -6,6 +6,7 @@ request's event stream, as the web view reads it.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,19 @@ def engine(base_model_dir: Path) -> Any:
     return Engine(str(base_model_dir), device="cpu")
 
 
-@pytest.fixture
-def handler(engine: Any, redis_client: Any, clean_tinker_keys: None) -> Any:
+def make_handler(engine: Any) -> Any:
     from tinker_api.worker.chat import ChatHandler
     from tinker_api.worker.policies import Policies
     from tinker_api.worker.sampler_cache import SamplerCache
 
     return ChatHandler(BASE, engine, Policies(engine), SamplerCache(engine))
+
+
+@pytest.fixture
+def handler(engine: Any, redis_client: Any, clean_tinker_keys: None, settings: Any) -> Any:
+    # Every token its own event, so that a test sees each step's text.
+    settings.OPENTINKER_OPENAI_STREAM_INTERVAL_MS = 0
+    return make_handler(engine)
 
 
 def chat_op(**fields: Any) -> Op:
@@ -101,6 +108,80 @@ def test_it_batches_requests_streams_some_and_ends_each_one(handler: Any) -> Non
     for op in (streamed, whole):
         assert futures.get(op.rid)["status"] == futures.DONE
     assert futures.queued_samples(BASE) == 0
+
+
+def streamed_texts(got: list[dict[str, Any]], choices: int) -> list[str]:
+    texts = [""] * choices
+    for event in got:
+        for c in event["c"] if event["t"] == "delta" else [event] if event["t"] == "end" else []:
+            texts[c["i"]] += c["text"]
+    return texts
+
+
+def test_it_sends_a_streams_text_at_most_once_per_interval(
+    engine: Any, redis_client: Any, clean_tinker_keys: None, settings: Any
+) -> None:
+    fields = {"stream": True, "n": 2, "max_tokens": 20, "ignore_eos": True, "logprobs": True}
+    settings.OPENTINKER_OPENAI_STREAM_INTERVAL_MS = 0
+    each = chat_op(**fields)
+    drive(make_handler(engine), [each])
+    settings.OPENTINKER_OPENAI_STREAM_INTERVAL_MS = 1000
+    held = chat_op(**fields)
+    started = time.monotonic()
+    drive(make_handler(engine), [held])
+    elapsed = time.monotonic() - started
+
+    every, coalesced = events_of(each), events_of(held)
+    one_each = [e for e in every if e["t"] == "delta"]
+    few = [e for e in coalesced if e["t"] == "delta"]
+    assert len(one_each) >= 19
+    # The first text at once, then at most one event a second; the ends carry the rest.
+    assert 1 <= len(few) <= 1 + elapsed
+    assert streamed_texts(coalesced, 2) == streamed_texts(every, 2)
+    entries = [
+        [
+            x["token"]
+            for e in events
+            if e["t"] in ("delta", "end")
+            for c in e.get("c", [e])
+            if c["i"] == i
+            for x in c["lp"]
+        ]
+        for events in (every, coalesced)
+        for i in (0, 1)
+    ]
+    assert entries[:2] == entries[2:] and all(len(x) == 20 for x in entries)
+
+
+def test_a_reader_behind_gets_the_deltas_it_missed_as_one_event() -> None:
+    got = [
+        ("1-0", {"t": "start", "prompt_tokens": 3}),
+        ("2-0", {"t": "delta", "c": [{"i": 0, "text": "a", "lp": [1]}]}),
+        ("3-0", {"t": "delta", "c": [{"i": 1, "text": "x", "lp": [2]}]}),
+        (
+            "4-0",
+            {
+                "t": "delta",
+                "c": [{"i": 0, "text": "b", "lp": [3]}, {"i": 1, "text": "y", "lp": [4]}],
+            },
+        ),
+        ("5-0", {"t": "end", "i": 0, "text": "c", "lp": [], "finish_reason": "length"}),
+        ("6-0", {"t": "delta", "c": [{"i": 1, "text": "z", "lp": [5]}]}),
+    ]
+    before = json.dumps(got)
+    assert events.coalesce(got) == [
+        got[0],
+        (
+            "4-0",
+            {
+                "t": "delta",
+                "c": [{"i": 0, "text": "ab", "lp": [1, 3]}, {"i": 1, "text": "xy", "lp": [2, 4]}],
+            },
+        ),
+        got[4],
+        got[5],
+    ]
+    assert json.dumps(got) == before
 
 
 def test_it_skips_a_request_whose_client_left_before_it_started(handler: Any) -> None:

@@ -325,7 +325,7 @@ def follow(
         got = events.read(request_id, after, poll_ms)
         if got:
             heard = time.monotonic()
-            for ident, event in got:
+            for ident, event in events.coalesce(got):
                 after = ident
                 yield event
                 if event["t"] in ("done", "error"):

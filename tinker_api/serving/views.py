@@ -154,8 +154,10 @@ def _relay(
                 finished = True
                 yield sse(_error_of(event).body())
                 return
-            for chunk in answer.chunks(event):
-                yield sse(chunk)
+            # One write per event: its chunks (a choice's last text and its finish) together.
+            out = b"".join(sse(chunk) for chunk in answer.chunks(event))
+            if out:
+                yield out
             if event["t"] == "done":
                 finished = True
                 tokens = _total_tokens(event.get("usage"))

@@ -5,16 +5,18 @@ model and any number of adapters: each row is routed to its own). The worker loo
 one decode step per turn and admits the requests it has read since between two steps, so a
 request that arrives while others decode starts at once, and Tinker requests are read and
 run between steps too. The prompt is rendered here, with the base model's tokenizer and chat
-template, so the web process never loads one. After each step the new text of every
-streaming request goes to its event stream (``tinker_api.events``) and the cancel keys of the
-running requests are read in the same round trip: a request whose client went away leaves
-the batch at once, and its place in the queue limit is freed.
+template, so the web process never loads one. After each step the new text of a streaming
+request goes to its event stream (``tinker_api.events``), its first text at once and then at
+most once per ``OPENTINKER_OPENAI_STREAM_INTERVAL_MS`` (a choice's end at once), and the
+cancel keys of the running requests are read in the same round trip: a request whose client
+went away leaves the batch at once, and its place in the queue limit is freed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ from training.engine import Engine
 from training.policy import Policy
 from training.sampler import default_stop_ids
 from training.types import SamplingParams
+from workers import conf
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class Running:
     stream: bool
     want_logprobs: bool
     ended: bool = False
+    sent_at: float = float("-inf")
+    """When (time.monotonic) its stream's text last went out; -inf: never."""
 
     @property
     def rid(self) -> str:
@@ -99,6 +104,7 @@ class ChatHandler:
         self.owner: dict[int, tuple[Running, Choice]] = {}
         self.runs: list[Running] = []
         self.waiting: list[Op] = []
+        self.stream_interval = conf.int_setting("OPENTINKER_OPENAI_STREAM_INTERVAL_MS", minimum=0)
 
     @property
     def busy(self) -> bool:
@@ -348,6 +354,9 @@ class ChatHandler:
         ends: list[tuple[str, dict[str, Any]]] = []
         finished_runs: list[Running] = []
         drop: set[int] = set()
+        # The streams whose text goes out this step: their first, then one event per interval.
+        now = time.monotonic()
+        due = {run.rid for run in runs if (now - run.sent_at) * 1000.0 >= self.stream_interval}
         for step in steps:
             run, choice = owner[step.row]
             if run.ended or choice.finished:
@@ -380,12 +389,15 @@ class ChatHandler:
                 choice.unsent, choice.logprobs = "", []
                 if all(c.finished for c in run.choices):
                     finished_runs.append(run)
-            elif run.stream and (choice.unsent or choice.logprobs):
+            elif run.stream and run.rid in due and (choice.unsent or choice.logprobs):
                 deltas.setdefault(run.rid, []).append(
                     {"i": choice.index, "text": choice.unsent, "lp": choice.logprobs}
                 )
                 choice.unsent, choice.logprobs = "", []
         # Deltas before ends: a client reads a choice's last text before its finish reason.
+        for run in runs:
+            if run.rid in deltas:
+                run.sent_at = now
         ordered = [(rid, {"t": "delta", "c": d}) for rid, d in deltas.items()] + ends
         ordered += [(run.rid, {"t": "done", "usage": run.usage()}) for run in finished_runs]
         watch = [run.rid for run in runs if not run.ended and run not in finished_runs]
