@@ -35,7 +35,6 @@ import argparse
 import itertools
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import write_section as record
 from bench.tinker_stack import BASE, Stack
 
 RANK = 8
@@ -399,9 +399,6 @@ def _spread(values: list[float], fmt: str) -> str:
 
 
 def write_section(runs: list[dict], command: str, args: argparse.Namespace) -> Path:
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-
     def col(part: str, key: str, fmt: str, scale: float = 1.0) -> str:
         return _spread([r[part][key] * scale for r in runs], fmt)
 
@@ -478,13 +475,8 @@ Where the time goes (per-process timestamps of one run, `--threads 1`):
   other work a two-thread matmul loop ran ~5x slower than a one-thread one (5.3-6.5 s
   against 1.1 s). A deployment gives the web server cores of its own.
 """
-    pattern = re.compile(r"## Tinker API\n.*?(?=\n## |\Z)", re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section.rstrip("\n") + "\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-    return path
+    # The hand-written ### parts (later measurements of one figure) stay.
+    return record("Tinker API", section, keep_subsections=True)
 
 
 def main() -> None:

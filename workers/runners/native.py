@@ -35,6 +35,7 @@ from workers.runners.engines import engine_for, policy_from_spec
 from workers.runners.evaluation import run_eval
 from workers.runners.inputs import base_model_path, dataset_rows, eval_job_rows
 from workers.runners.loop import TrainingLoop
+from workers.runners.loop_types import LoopContext
 from workers.runners.rollouts import Opponent
 
 
@@ -118,26 +119,39 @@ def run(ctx: JobContext) -> None:
     if len(plan) > 1:
         collective = _host_ranks(ctx, len(plan), device)
     try:
-        with _frozen_opponent(engine, spec, f"opponent-{ctx.job_id}-{ctx.attempt}") as opponent:
-            loop = TrainingLoop(
-                ctx,
-                spec,
-                engine,
-                rows=rows,
-                eval_rows=eval_rows,
-                policy_id=f"job-{ctx.job_id}-{ctx.attempt}",
-                collective=collective,
-                opponent=opponent,
-            )
-            try:
-                loop.run()
-            finally:
-                loop.close()
+        _train(ctx, spec, engine, rows, eval_rows, f"{ctx.job_id}-{ctx.attempt}", collective)
     except PeerLost as exc:
         raise MemberLost(str(exc)) from exc
     finally:
         if collective is not None:
             collective.close()
+
+
+def _train(
+    ctx: LoopContext,
+    spec: JobSpec,
+    engine: Engine,
+    rows: list[dict[str, Any]] | None,
+    eval_rows: list[dict[str, Any]] | None,
+    tag: str,
+    collective: Collective | None,
+) -> None:
+    """One rank's training run: policy `job-{tag}`, its frozen opponent `opponent-{tag}`."""
+    with _frozen_opponent(engine, spec, f"opponent-{tag}") as opponent:
+        loop = TrainingLoop(
+            ctx,
+            spec,
+            engine,
+            rows=rows,
+            eval_rows=eval_rows,
+            policy_id=f"job-{tag}",
+            collective=collective,
+            opponent=opponent,
+        )
+        try:
+            loop.run()
+        finally:
+            loop.close()
 
 
 def _host_ranks(ctx: JobContext, world: int, device: str) -> Collective:
@@ -204,21 +218,8 @@ def join(
         rendezvous=address, rank=rank, world=world, device=device, timeout_s=timeout
     )
     try:
-        with _frozen_opponent(engine, spec, f"opponent-{job_id}-{attempt}-rank{rank}") as opponent:
-            loop = TrainingLoop(
-                FollowerContext(workdir, attempt),
-                spec,
-                engine,
-                rows=rows,
-                eval_rows=[],
-                policy_id=f"job-{job_id}-{attempt}-rank{rank}",
-                collective=collective,
-                opponent=opponent,
-            )
-            try:
-                loop.run()
-            finally:
-                loop.close()
+        tag = f"{job_id}-{attempt}-rank{rank}"
+        _train(FollowerContext(workdir, attempt), spec, engine, rows, [], tag, collective)
     finally:
         collective.close()
     return True
