@@ -285,7 +285,7 @@ full fine-tuning (AdamW moments for every weight). FLOPs per token: full 6N + 12
 4N + 6N_lora + 12LdT, prefill 2N + 4LdT; decode reads 4N bytes of weights and the KV cache
 per token.
 """
-    return record("MFU on an 85M-parameter model", section)
+    return record("MFU on an 85M-parameter model", section, keep_subsections=True)
 
 
 if __name__ == "__main__":
