@@ -271,3 +271,48 @@ def test_it_holds_new_requests_until_the_batch_empties_when_rows_cannot_join(
         handler.step()
     assert [e["t"] for e in events_of(second)] == ["start", "end", "done"]
     assert futures.queued_samples(BASE) == 0
+
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nCall a tool as <tool_call>"
+    '{"name": ..., "arguments": ...}</tool_call>. Tools:'
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_it_says_when_a_request_offers_tools_to_a_template_that_teaches_tool_calls(
+    handler: Any, engine: Any
+) -> None:
+    plain = chat_op()
+    offered = chat_op()
+    offered.fields["tools"] = [WEATHER]
+    drive(handler, [plain, offered])
+    # The test model's template knows nothing of tools: calls stay text.
+    assert events_of(plain)[0] == {
+        "t": "start",
+        "prompt_tokens": events_of(plain)[0]["prompt_tokens"],
+    }
+    assert events_of(offered)[0]["tools"] is False
+
+    saved = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = TOOL_TEMPLATE
+    try:
+        taught, untaught = chat_op(), chat_op()
+        taught.fields["tools"] = [WEATHER]
+        drive(handler, [taught, untaught])
+    finally:
+        engine.tokenizer.chat_template = saved
+    start = events_of(taught)[0]
+    assert start["tools"] is True
+    # The tools went into the prompt.
+    assert start["prompt_tokens"] > events_of(untaught)[0]["prompt_tokens"] + 20
+    assert "tools" not in events_of(untaught)[0]

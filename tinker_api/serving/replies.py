@@ -4,7 +4,8 @@ Events (``tinker_api.worker.chat``): ``start`` (prompt tokens), ``delta`` (new t
 logprob entries of some choices), ``end`` (a choice's last text and its finish reason),
 ``done`` (usage) and ``error``. One ``Answer`` turns them either into the chunks of a stream
 (``chunks``) or, absorbed one by one, into the single JSON body of a request that does not
-stream (``body``).
+stream (``body``). Where the start event says so, `<tool_call>` blocks become ``tool_calls``
+(``toolcalls``): a stream holds back the text from where a block may begin.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 from typing import Any, Literal
+
+from tinker_api.serving.toolcalls import held_back, parse
 
 Kind = Literal["chat", "completion"]
 
@@ -45,6 +48,10 @@ class Answer:
         self.reasons: list[str | None] = [None] * choices
         self.offsets = [0] * choices
         self.usage: dict[str, int] | None = None
+        # Tool calls (the worker's start event says whether to look for them): the text a
+        # stream holds back per choice, from where a <tool_call> block begins or may begin.
+        self.tools = False
+        self.held = [""] * choices
 
     # ------------------------------------------------------------------ shapes
 
@@ -94,12 +101,15 @@ class Answer:
         entries: list[dict[str, Any]],
         finish: str | None = None,
         role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -109,22 +119,48 @@ class Answer:
 
     # ------------------------------------------------------------------ streams
 
+    def _release(self, index: int, text: str) -> str:
+        """What of a choice's new text streams as content now; the rest is held back."""
+        if not self.tools:
+            return text
+        pending = self.held[index] + text
+        cut = held_back(pending)
+        self.held[index] = pending[cut:]
+        return pending[:cut]
+
     def chunks(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """The stream chunks one event makes."""
         t = event["t"]
         if t == "start":
+            self.tools = bool(event.get("tools"))
             if self.kind != "chat":
                 return []
             return [self._chunk(i, "", [], role=True) for i in range(self.choices)]
         if t == "delta":
-            return [self._chunk(c["i"], c["text"], c["lp"]) for c in event["c"]]
+            out = []
+            for c in event["c"]:
+                text = self._release(c["i"], c["text"])
+                if text or c["lp"]:
+                    out.append(self._chunk(c["i"], text, c["lp"]))
+            return out
         if t == "end":
             i = event["i"]
             out = []
             if self.kind == "chat":
-                if event["text"] or event["lp"]:
-                    out.append(self._chunk(i, event["text"], event["lp"]))
-                out.append(self._chunk(i, None, [], finish=event["finish_reason"]))
+                text, finish = event["text"], event["finish_reason"]
+                calls = None
+                if self.tools:
+                    held, self.held[i] = self.held[i] + text, ""
+                    parsed = parse(held)
+                    if parsed is not None and finish == "stop":
+                        text, calls, finish = parsed.content or "", parsed.calls, "tool_calls"
+                    else:
+                        text = held
+                if text or event["lp"]:
+                    out.append(self._chunk(i, text, event["lp"]))
+                if calls:
+                    out.append(self._chunk(i, None, [], tool_calls=calls))
+                out.append(self._chunk(i, None, [], finish=finish))
             else:
                 out.append(self._chunk(i, event["text"], event["lp"], event["finish_reason"]))
             return out
@@ -138,7 +174,9 @@ class Answer:
 
     def absorb(self, event: dict[str, Any]) -> None:
         t = event["t"]
-        if t == "delta":
+        if t == "start":
+            self.tools = bool(event.get("tools"))
+        elif t == "delta":
             for c in event["c"]:
                 self.texts[c["i"]] += c["text"]
                 self.entries[c["i"]].extend(c["lp"])
@@ -154,12 +192,23 @@ class Answer:
         choices = []
         for i in range(self.choices):
             choice: dict[str, Any] = {"index": i}
+            finish = self.reasons[i] or "length"
             if self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": self.texts[i], "refusal": None}
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": self.texts[i],
+                    "refusal": None,
+                }
+                parsed = parse(self.texts[i]) if self.tools and finish == "stop" else None
+                if parsed is not None:
+                    message["content"] = parsed.content
+                    message["tool_calls"] = parsed.calls
+                    finish = "tool_calls"
+                choice["message"] = message
             else:
                 choice["text"] = self.texts[i]
             choice["logprobs"] = self._logprobs(i, self.entries[i])
-            choice["finish_reason"] = self.reasons[i] or "length"
+            choice["finish_reason"] = finish
             choices.append(choice)
         out = self._envelope(choices, stream=False)
         out["usage"] = self.usage

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinker_api import events, futures
+from tinker_api.serving.toolcalls import TOOL_CALL_OPEN
 from tinker_api.worker.requests import Op, RequestError
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.textstream import TextStream
@@ -253,9 +254,16 @@ class ChatHandler:
         choices = [(run, choice) for run, _rows in admitted for choice in run.choices]
         self.owner.update(zip(idents, choices, strict=True))
         self.runs.extend(run for run, _rows in admitted)
-        events.publish(
-            [(run.rid, {"t": "start", "prompt_tokens": run.prompt_tokens}) for run, _ in admitted]
-        )
+        events.publish([(run.rid, self._start(run)) for run, _ in admitted])
+
+    def _start(self, run: Running) -> dict[str, Any]:
+        event: dict[str, Any] = {"t": "start", "prompt_tokens": run.prompt_tokens}
+        # The view parses <tool_call> blocks only where the template taught that format and
+        # the request offered tools; elsewhere tool calls stay text.
+        if run.op.fields.get("mode") == "chat" and run.op.fields.get("tools"):
+            template = getattr(self.tokenizer, "chat_template", None) or ""
+            event["tools"] = isinstance(template, str) and TOOL_CALL_OPEN in template
+        return event
 
     def _prepare(self, op: Op) -> tuple[Running, list[Row]]:
         f = op.fields
