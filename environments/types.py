@@ -13,6 +13,7 @@ never exceptions: the episode goes on or ends with a reward that says what happe
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypedDict
@@ -142,6 +143,23 @@ class GroupBuilder(abc.ABC):
         Added to each trajectory's last turn by `rollouts.run_group`. Default: none.
         """
         return [0.0 for _ in trajectories]
+
+
+def check_self_play_size(group_size: int) -> None:
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"self-play needs an even group size >= 2, got {group_size}")
+
+
+def self_play_pairs(
+    group_size: int, new_game: Callable[[], tuple[Episode, Episode]]
+) -> list[Episode]:
+    """A self-play group's episodes: G/2 games from `new_game()`, episodes 2i and 2i+1 the
+    two seats of game i."""
+    check_self_play_size(group_size)
+    episodes: list[Episode] = []
+    for _ in range(group_size // 2):
+        episodes += new_game()
+    return episodes
 
 
 @dataclass

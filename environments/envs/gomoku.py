@@ -22,7 +22,15 @@ import re
 import threading
 from dataclasses import dataclass
 
-from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+from environments.types import (
+    Episode,
+    GroupBuilder,
+    Message,
+    StepResult,
+    StopCondition,
+    check_self_play_size,
+    self_play_pairs,
+)
 
 EMPTY = "."
 _DIRECTIONS = ((0, 1), (1, 0), (1, 1), (1, -1))
@@ -406,12 +414,11 @@ class GomokuSelfPlayGroupBuilder(GroupBuilder):
     concurrent: bool = True
 
     def __post_init__(self) -> None:
-        if self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"self-play needs an even group size >= 2, got {self.group_size}")
+        check_self_play_size(self.group_size)
 
     def make_episodes(self) -> list[Episode]:
-        episodes: list[Episode] = []
-        for _ in range(self.group_size // 2):
+        def new_game() -> tuple[Episode, Episode]:
             game = GameCoordinator(self.config)
-            episodes += [SelfPlayEpisode(game, "X"), SelfPlayEpisode(game, "O")]
-        return episodes
+            return SelfPlayEpisode(game, "X"), SelfPlayEpisode(game, "O")
+
+        return self_play_pairs(self.group_size, new_game)

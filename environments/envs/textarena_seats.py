@@ -19,7 +19,15 @@ from environments.envs.textarena_env import (
     format_action,
     game_metrics,
 )
-from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+from environments.types import (
+    Episode,
+    GroupBuilder,
+    Message,
+    StepResult,
+    StopCondition,
+    check_self_play_size,
+    self_play_pairs,
+)
 
 
 class GameAbandoned(RuntimeError):
@@ -158,15 +166,14 @@ class TextArenaSelfPlayGroupBuilder(GroupBuilder):
     concurrent: bool = True
 
     def __post_init__(self) -> None:
-        if self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"self-play needs an even group size >= 2, got {self.group_size}")
+        check_self_play_size(self.group_size)
 
     def make_episodes(self) -> list[Episode]:
-        episodes: list[Episode] = []
-        for _ in range(self.group_size // 2):
+        def new_game() -> tuple[Episode, Episode]:
             game = TextArenaCoordinator(self.config, self.seed)
-            episodes += [TextArenaSelfPlayEpisode(game, 0), TextArenaSelfPlayEpisode(game, 1)]
-        return episodes
+            return TextArenaSelfPlayEpisode(game, 0), TextArenaSelfPlayEpisode(game, 1)
+
+        return self_play_pairs(self.group_size, new_game)
 
 
 @dataclass
