@@ -134,14 +134,16 @@ class MemberBeat(threading.Thread):
         self.key = _key(job_id, attempt, "member", rank)
         self.stopping = threading.Event()
 
-    def beat(self) -> None:
+    def beat(self, *, renew: bool = False) -> None:
         # The value names the rank's process, for an operator (and a test) looking for it.
-        conf.get_redis().set(self.key, str(os.getpid()), px=_ttl_ms())
+        # A renewal only touches a key that is still there: once it is gone the leader has
+        # cleared the gang's keys or counted this member lost, and it must not come back.
+        conf.get_redis().set(self.key, str(os.getpid()), px=_ttl_ms(), xx=renew)
 
     def run(self) -> None:
         while not self.stopping.wait(conf.heartbeat_interval()):
             try:
-                self.beat()
+                self.beat(renew=True)
             except Exception:
                 log.exception("could not write the heartbeat %s", self.key)
 
@@ -154,7 +156,7 @@ class MemberBeat(threading.Thread):
         client = conf.get_redis()
         try:
             if done:
-                client.set(self.key, DONE, px=int(conf.gang_timeout() * 2000))
+                client.set(self.key, DONE, px=int(conf.gang_timeout() * 2000), xx=True)
             else:
                 client.delete(self.key)
         except Exception:

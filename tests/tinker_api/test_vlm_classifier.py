@@ -140,7 +140,9 @@ def test_the_vlm_classifier_recipe_trains_and_evaluates_unchanged(
         "TINKER_TELEMETRY": "0",
         "WANDB_MODE": "disabled",
     }
-    steps = 36
+    # Five epochs of the 192 training pictures. After three (36 steps) the held-out accuracy
+    # of runs alike but for the recipe's random flips spread from 0.28 to 0.75.
+    steps, epochs = 60, 5
     command = [
         sys.executable,
         "-m",
@@ -154,8 +156,9 @@ def test_the_vlm_classifier_recipe_trains_and_evaluates_unchanged(
         "learning_rate=5e-3",
         "lr_schedule=constant",
         "lora_rank=8",
+        f"num_epochs={epochs}",
         f"max_steps={steps}",
-        "eval_every=35",
+        f"eval_every={steps - 1}",
         "save_every=0",
         "infrequent_eval_every=0",
         "n_eval=32",
@@ -172,8 +175,8 @@ def test_the_vlm_classifier_recipe_trains_and_evaluates_unchanged(
     # The recipe's own evaluators on the test split, before the first optimizer step and
     # before the last: the sampler's NLL (test/nll) and the classifier, which asks the
     # policy through the sampler to name each picture's class (accuracy; six colours, so
-    # chance is 1/6). Measured here: 0.0 -> 0.75, NLL 12.3 -> 0.05 nats a token.
+    # chance is 1/6). Measured here in four runs: 0.0 -> 0.69-0.97, NLL 12.3 -> 0.01-0.10.
     evaluated = [r for r in rows if "accuracy" in r]
-    assert [r["step"] for r in evaluated] == [0, 35], rows
+    assert [r["step"] for r in evaluated] == [0, steps - 1], rows
     assert evaluated[-1]["test/nll"] < 0.1 * evaluated[0]["test/nll"], evaluated
     assert evaluated[-1]["accuracy"] >= 0.4 > evaluated[0]["accuracy"], evaluated
