@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: java demo serve test test-fast test-embedded test-services test-verl test-verl-multinode test-lane-a test-lane-b install model datasets bench lint clean verl-env
+.PHONY: java demo serve test test-fast test-embedded test-engine test-services test-verl test-verl-multinode test-lane-a test-lane-b install model datasets bench lint clean verl-env
 
 demo: install
 	$(PY) manage.py demo
@@ -42,7 +42,8 @@ model: install
 datasets: install
 	$(PY) scripts/build_datasets.py
 
-# Two lanes side by side: the embedded pass, and the pass against PostgreSQL + Redis; the real
+# Two lanes side by side: lane A the embedded pass less the engine's tests, lane B the pass
+# against PostgreSQL + Redis and then the engine's tests (which touch neither); the real
 # verl jobs (minutes each; on the embedded defaults) are split between the lanes so that
 # both take about as long. Their live tests spend much of their time waiting on worker
 # subprocesses that train on one thread, so two lanes fill two cores. Each run has its own
@@ -51,7 +52,7 @@ datasets: install
 # verl tests skip, as the browser tests do without Chromium. The verl job across two nodes (a
 # Ray cluster of two nodes on this host, two vLLM servers, ~8 min, ~10 GiB) is not part of
 # `make test` (it would take CI past its time budget): `make test-verl-multinode` runs it.
-VERL_LANE_A := gomoku or vllm
+VERL_LANE_A := gomoku or vllm or sft
 VERL_ALONE := two_nodes
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
@@ -62,9 +63,16 @@ test: install
 test-verl-multinode: install verl-env
 	$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_ALONE)" VERL_DATA=test-verl-alone
 
+# EMBEDDED_ARGS: more pytest arguments (lane A leaves the engine's tests to lane B).
+EMBEDDED_ARGS ?=
 test-embedded:
 	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-embedded \
-		$(PY) -m pytest -q --durations=15 -m "not verl"
+		$(PY) -m pytest -q --durations=15 -m "not verl" $(EMBEDDED_ARGS)
+
+# The engine's tests (tests/training): no database or Redis, on the embedded defaults.
+test-engine:
+	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-engine \
+		$(PY) -m pytest -q --durations=15 -m "not verl" tests/training
 
 # verl's real trainer (tests marked `verl`), on the embedded defaults; VERL_K picks some.
 # The lanes run theirs at the same time, each in its own data directory (and SQLite file).
@@ -76,14 +84,15 @@ test-verl:
 
 # Each lane runs both of its parts even when the first fails, and fails if either did.
 test-lane-a:
-	@$(MAKE) --no-print-directory test-embedded; first=$$?; \
+	@$(MAKE) --no-print-directory test-embedded EMBEDDED_ARGS=--ignore=tests/training; first=$$?; \
 		$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_LANE_A)" VERL_DATA=test-verl-a; second=$$?; \
 		test $$first -eq 0 -a $$second -eq 0
 
 test-lane-b:
 	@$(MAKE) --no-print-directory test-services; first=$$?; \
-		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A) or $(VERL_ALONE))" VERL_DATA=test-verl-b; second=$$?; \
-		test $$first -eq 0 -a $$second -eq 0
+		$(MAKE) --no-print-directory test-engine; second=$$?; \
+		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A) or $(VERL_ALONE))" VERL_DATA=test-verl-b; third=$$?; \
+		test $$first -eq 0 -a $$second -eq 0 -a $$third -eq 0
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started
 # (tests/conftest.py marks those `live`). The database and the embedded Valkey are real.

@@ -23,14 +23,37 @@ LIVE_FIXTURES = {
     "env_worker",
 }
 LIVE_DIRECTORIES = {"e2e"}
-# Tests that exercise neither the database nor Redis in a way the backend changes, and that
-# build or hold shared state under var/ (the client's venv, the verl venvs): the embedded
-# pass runs them, the pass against PostgreSQL and Redis (alongside it) does not.
+# Tests that exercise neither the database nor Redis in a way the backend changes: the
+# embedded pass runs them, the pass against PostgreSQL and Redis (alongside it) does not.
+# Some build or hold shared state under var/ (the client's venv, the verl venvs); the rest
+# are about an environment library, a cookbook recipe, the engine's numerics or a browser
+# driving pages whose queries and Redis calls the control-plane tests run in both passes.
 ONCE_PATHS = (
     "architecture/",
     "client/test_isolated_install.py",
     "workers/test_verl_compose.py",
     "e2e/test_verl_real.py",
+    "e2e/test_data_parallel.py",
+    "e2e/test_snapshot_opponent.py",
+    "e2e/test_training_loop.py",
+    "environments/test_bandit.py",
+    "environments/test_datasets.py",
+    "environments/test_geometry.py",
+    "environments/test_gomoku.py",
+    "environments/test_imports.py",
+    "environments/test_math_envs.py",
+    "environments/test_registry.py",
+    "environments/test_renderer_masks.py",
+    "environments/test_sandbox_",
+    "environments/test_scienceworld.py",
+    "environments/test_textarena.py",
+    "environments/test_textworld.py",
+    "tinker_api/test_cookbook",
+    "tinker_api/test_openai_harness.py",
+    "tinker_api/test_sampling_features.py",
+    "tinker_api/test_sdk_images.py",
+    "tinker_api/test_weights_out.py",
+    "web/test_browser",
 )
 
 
