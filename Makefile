@@ -63,24 +63,25 @@ test: install
 test-verl-multinode: install verl-env
 	$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_ALONE)" VERL_DATA=test-verl-alone
 
+# pytest on the embedded defaults, in the data directory var/$(1).
+embedded_pytest = env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/$(1) \
+	$(PY) -m pytest -q --durations=15
+
 # EMBEDDED_ARGS: more pytest arguments (lane A leaves the engine's tests to lane B).
 EMBEDDED_ARGS ?=
 test-embedded:
-	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-embedded \
-		$(PY) -m pytest -q --durations=15 -m "not verl" $(EMBEDDED_ARGS)
+	$(call embedded_pytest,test-embedded) -m "not verl" $(EMBEDDED_ARGS)
 
 # The engine's tests (tests/training): no database or Redis, on the embedded defaults.
 test-engine:
-	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/test-engine \
-		$(PY) -m pytest -q --durations=15 -m "not verl" tests/training
+	$(call embedded_pytest,test-engine) -m "not verl" tests/training
 
 # verl's real trainer (tests marked `verl`), on the embedded defaults; VERL_K picks some.
 # The lanes run theirs at the same time, each in its own data directory (and SQLite file).
 VERL_K ?=
 VERL_DATA ?= test-verl
 test-verl:
-	env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/$(VERL_DATA) \
-		$(PY) -m pytest -q --durations=15 -m verl $(if $(VERL_K),-k "$(VERL_K)")
+	$(call embedded_pytest,$(VERL_DATA)) -m verl $(if $(VERL_K),-k "$(VERL_K)")
 
 # Each lane runs both of its parts even when the first fails, and fails if either did.
 test-lane-a:

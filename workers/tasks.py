@@ -130,12 +130,12 @@ def run_job(job_id: str, *, attempt: int, node: str, gpus: list[int], lease_toke
             )
             outcome = state.lower() if finished else "stale"
     finally:
-        # Even if the database write failed: the GPUs go back now, and a job left RUNNING
-        # without a lease is requeued by the reaper. Through a Redis outage these wait for the
-        # server (the lease's TTL frees the GPUs if it stays away).
         # The gang's keys go first: once the GPUs are free nothing of the attempt is left.
         if followers:
             through_outage(lambda: gang.clear(str(job_id), attempt), f"job {job_id}: gang keys")
+        # Even if the database write failed: the GPUs go back now, and a job left RUNNING
+        # without a lease is requeued by the reaper. Through a Redis outage these wait for the
+        # server (the lease's TTL frees the GPUs if it stays away).
         if through_outage(lambda: table.release(lease), f"job {job_id}: release its GPUs"):
             audit.lease_ended(str(job_id), attempt, "released")
         through_outage(lambda: control.clear_cancel(str(job_id)), f"job {job_id}: clear flags")
