@@ -20,7 +20,7 @@ from environments.envs.geometry import GeometryConfig, check_images
 from environments.envs.geometry import make_builder as make_geometry_builder
 from environments.envs.gomoku import GomokuConfig, GomokuGroupBuilder, GomokuSelfPlayGroupBuilder
 from environments.envs.math_code import MathCodeConfig, MathCodeGroupBuilder
-from environments.envs.math_env import MathConfig, MathGroupBuilder
+from environments.envs.math_env import MathConfig, MathGroupBuilder, row_context
 from environments.envs.reasoning_gym_env import ReasoningGymConfig, generator_names, make_builder
 from environments.envs.scienceworld_env import (
     ScienceWorldConfig,
@@ -276,7 +276,13 @@ def _register_builtins() -> None:
     )
 
     def math_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
-        return MathGroupBuilder(str(row["question"]), str(row["answer"]), group_size, config)
+        try:
+            context = row_context(row.get("context"))
+        except ValueError as exc:
+            raise ContractError("row.context", str(exc)) from exc
+        return MathGroupBuilder(
+            str(row["question"]), str(row["answer"]), group_size, config, context
+        )
 
     def math_code_factory(config: Any, *, row: Any, seed: int, group_size: int) -> GroupBuilder:
         return MathCodeGroupBuilder(str(row["question"]), str(row["answer"]), group_size, config)

@@ -52,6 +52,7 @@ from .submission_checks import (
     check_base_model,
     check_env_and_dataset,
     check_eval,
+    check_init,
     check_opponent,
 )
 
@@ -242,7 +243,7 @@ def submit_job(
         # deleted between being found here and the job row naming it.
         dataset_ref, errors = check_env_and_dataset(parsed, team)
         errors = check_base_model(parsed) + errors + check_eval(parsed, team, kind)
-        errors += check_opponent(parsed, team)
+        errors += check_opponent(parsed, team) + check_init(parsed, team)
         if errors:
             raise SpecError(errors)
         normalized = parsed.model_dump(mode="json")

@@ -34,6 +34,7 @@ from .spec_sections import (
     AlgorithmSpec,
     EvalSpec,
     FieldErrors,
+    InitSpec,
     LoRASpec,
     OptimizerSpec,
     RolloutSpec,
@@ -169,6 +170,14 @@ class JobSpecV1(BaseModel):
         "native", description="'native' (this engine, CPU or GPU) or 'verl' (GPU at scale)."
     )
 
+    init: InitSpec | None = Field(
+        None,
+        description=(
+            "Start from another LoRA job's weights (its final adapter or a checkpoint) instead "
+            "of a fresh adapter, e.g. RL on the adapter an SFT job trained; native runner."
+        ),
+    )
+
     eval: EvalSpec | None = Field(
         None,
         description=(
@@ -232,6 +241,8 @@ class JobSpecV1(BaseModel):
         if self.method in ("rl", "sft") and self.env is not None:
             errors.extend(_env_errors(self))
             errors.extend(_rank_errors(self))
+        if self.init is not None:
+            errors.extend(_init_errors(self))
         if self.runner == "verl" and self.method == "sft" and self.eval is not None:
             errors.append(("runner", "eval jobs run on the native runner"))
         if self.runner == "verl" and self.method == "rl":
@@ -239,6 +250,18 @@ class JobSpecV1(BaseModel):
         if errors:
             raise FieldErrors(errors)
         return self
+
+
+def _init_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
+    if spec.method not in ("rl", "sft"):
+        return [("init", "only valid with method 'rl' or 'sft'")]
+    if spec.eval is not None:
+        return [("init", "an eval job names its weights in `eval.from_job`")]
+    if spec.full_finetune:
+        return [("init", "loads a LoRA adapter: not valid with `full_finetune: true`")]
+    if spec.runner != "native":
+        return [("init", "the native runner starts from another job's weights; verl does not")]
+    return []
 
 
 def _gang_errors(spec: JobSpecV1) -> list[tuple[str, str]]:

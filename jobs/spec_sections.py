@@ -176,6 +176,14 @@ class OptimizerSpec(Section):
         return value
 
 
+def job_id(value: str) -> str:
+    """A job id in its canonical form, or the field's error."""
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise ValueError("must be a job id (UUID)") from None
+
+
 class EvalSpec(Section):
     """What an eval job (``kind: eval``) runs through the env, with training switched off."""
 
@@ -205,15 +213,34 @@ class EvalSpec(Section):
     @field_validator("from_job")
     @classmethod
     def _job_id(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                return str(uuid.UUID(value))
-            except ValueError:
-                raise ValueError("must be a job id (UUID)") from None
-        return value
+        return None if value is None else job_id(value)
 
     @model_validator(mode="after")
     def _checkpoint_of_a_job(self) -> EvalSpec:
         if self.checkpoint is not None and self.from_job is None:
             raise FieldErrors([("checkpoint", "names a checkpoint of `from_job`: give both")])
         return self
+
+
+class InitSpec(Section):
+    """The weights a LoRA training job starts from instead of a fresh adapter: another job's
+    (SFT, then RL on the same adapter; or a second run of RL). The optimizer starts afresh."""
+
+    from_job: str = Field(
+        description=(
+            "Id of a LoRA rl/sft job of the team on the same base model, with the same `lora` "
+            "settings as this job: its final adapter, or `checkpoint`."
+        ),
+    )
+    checkpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="A checkpoint of `from_job` (e.g. 'step-000010'): its weights only.",
+    )
+
+    @field_validator("from_job")
+    @classmethod
+    def _job_id(cls, value: str) -> str:
+        return job_id(value)

@@ -24,7 +24,13 @@ from .datasets import BUILTIN_REF_PREFIX, find_team_dataset
 from .models import BaseModel, Job, JobKind
 from .spec import JobSpec, SpecError, check_base_model_limits, parse_spec
 
-__all__ = ["check_base_model", "check_env_and_dataset", "check_eval", "check_opponent"]
+__all__ = [
+    "check_base_model",
+    "check_env_and_dataset",
+    "check_eval",
+    "check_init",
+    "check_opponent",
+]
 
 
 def check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
@@ -137,6 +143,30 @@ def check_opponent(parsed: JobSpec, team: Team) -> list[dict[str, str]]:
         wanted["checkpoint"],
         fields=("env_config.opponent_job", "env_config.opponent_checkpoint"),
     )
+
+
+def check_init(parsed: JobSpec, team: Team) -> list[dict[str, str]]:
+    """The weights a training job starts from: the rules of ``eval.from_job``, and the same
+    adapter shape as this job's own `lora` (the weights are copied into it)."""
+    if parsed.init is None:
+        return []
+    fields = ("init.from_job", "init.checkpoint")
+    errors = check_source_job(
+        team, parsed.base_model, parsed.init.from_job, parsed.init.checkpoint, fields=fields
+    )
+    if errors:
+        return errors
+    source = parse_spec(Job.objects.get(pk=parsed.init.from_job).spec)
+    theirs, mine = source.lora.model_dump(), parsed.lora.model_dump()
+    if theirs != mine:
+        differ = ", ".join(
+            f"{k} {theirs[k]!r} here {mine[k]!r}" for k in mine if theirs[k] != mine[k]
+        )
+        reason = (
+            f"job {parsed.init.from_job} trained another adapter shape ({differ}): give its `lora`"
+        )
+        return [{"field": "lora", "reason": reason}]
+    return []
 
 
 def check_source_job(

@@ -34,6 +34,7 @@ ONCE_PATHS = (
     "workers/test_verl_compose.py",
     "e2e/test_verl_real.py",
     "e2e/test_data_parallel.py",
+    "e2e/test_init_from_job.py",
     "e2e/test_snapshot_opponent.py",
     "e2e/test_training_loop.py",
     "environments/test_bandit.py",

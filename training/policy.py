@@ -248,6 +248,13 @@ class Policy:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._copy_weights(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.step = int(state["step"])
+        self._next_version = max(self._next_version, int(state["next_version"]))
+
+    def _copy_weights(self, state: dict[str, Any]) -> None:
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
         saved = LoRAConfig(**_config_from_saved(state["config"]))
@@ -272,10 +279,6 @@ class Policy:
                         f"{tuple(param.shape)}"
                     )
                 param.copy_(weights[name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.generator.set_state(state["generator"])
-        self.step = int(state["step"])
-        self._next_version = max(self._next_version, int(state["next_version"]))
 
     def save_state(self, path: str | os.PathLike[str]) -> Path:
         """Write weights, optimizer, step and RNG to `path` (atomically)."""
@@ -293,6 +296,12 @@ class Policy:
         self._check_open()
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
         self.load_state_dict(state)
+
+    def load_weights(self, path: str | os.PathLike[str]) -> None:
+        """Only the weights of a state written by `save_state`: the optimizer, step and RNG
+        stay this policy's own (a new run that starts from another run's checkpoint)."""
+        self._check_open()
+        self._copy_weights(torch.load(Path(path), map_location="cpu", weights_only=True))
 
     # -- export -----------------------------------------------------------------------------
 

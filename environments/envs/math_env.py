@@ -2,6 +2,10 @@
 
 Reward: 1.0 when the last `\\boxed{}` (or, failing that, the last number) equals the ground truth
 (environments.grading), else 0.0; plus `format_reward` when the answer is boxed.
+
+A row may carry `context`: a conversation shown before the question (user and assistant turns,
+e.g. worked examples, or the earlier turns of a game for SFT on a multi-turn env's
+demonstrations); it is prompt only, never trained on.
 """
 
 from __future__ import annotations
@@ -23,16 +27,20 @@ class MathConfig:
 
 
 class MathEpisode(Episode):
-    def __init__(self, question: str, answer: str, config: MathConfig) -> None:
+    def __init__(
+        self, question: str, answer: str, config: MathConfig, context: tuple[Message, ...] = ()
+    ) -> None:
         super().__init__()
         self.question = question
         self.answer = answer
         self.config = config
+        self.context = context
 
     def _initial(self) -> tuple[list[Message], StopCondition]:
         messages: list[Message] = []
         if self.config.system_prompt:
             messages.append({"role": "system", "content": self.config.system_prompt})
+        messages.extend(dict(m) for m in self.context)  # type: ignore[misc]
         messages.append({"role": "user", "content": self.question + self.config.prompt_suffix})
         return messages, StopCondition(max_tokens=self.config.max_tokens)
 
@@ -56,9 +64,29 @@ class MathGroupBuilder(GroupBuilder):
     answer: str
     group_size: int
     config: MathConfig
+    context: tuple[Message, ...] = ()
     env_name: str = "math"
 
     def make_episodes(self) -> list[Episode]:
         return [
-            MathEpisode(self.question, self.answer, self.config) for _ in range(self.group_size)
+            MathEpisode(self.question, self.answer, self.config, self.context)
+            for _ in range(self.group_size)
         ]
+
+
+def row_context(value: object) -> tuple[Message, ...]:
+    """A row's `context` (absent: none), checked: a list of {"role": "user" | "assistant",
+    "content": str} turns ending with the assistant's, since the question follows it."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict)
+        and set(m) == {"role", "content"}
+        and m["role"] in ("user", "assistant")
+        and isinstance(m["content"], str)
+        for m in value
+    ):
+        raise ValueError('must be a list of {"role": "user" or "assistant", "content": text} turns')
+    if value and value[-1]["role"] != "assistant":
+        raise ValueError("must end with an assistant turn: the question is the next user turn")
+    return tuple(Message(role=m["role"], content=m["content"]) for m in value)

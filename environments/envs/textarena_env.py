@@ -44,6 +44,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from environments.grading import last_boxed
 from environments.live_cache import LiveCache
 from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
 
@@ -113,6 +114,11 @@ class TextArenaConfig:
     """Self-play and snapshot: how long a seat waits for the other before the game is
     abandoned."""
     max_tokens: int = Field(default=64, ge=1)
+    action_format: Literal["text", "boxed"] = "text"
+    """How a reply becomes a move: "text" (TextArena's own rule: the reply as given, bracketed
+    when it holds no brackets) or "boxed" (the content of the reply's last \\boxed{...},
+    bracketed: "\\boxed{4}" plays "[4]"; the answer format of this project's other envs and
+    of SFT targets; a reply without one falls back to "text")."""
 
     @field_validator("game")
     @classmethod
@@ -172,8 +178,13 @@ def _library() -> Any:
     return textarena
 
 
-def format_action(text: str) -> str:
-    """TextArena's default action wrapper: bracket an action that has no brackets."""
+def format_action(text: str, action_format: str = "text") -> str:
+    """The move a reply plays: TextArena's default action wrapper (bracket an action that has
+    no brackets), applied to the reply's last boxed content for `action_format` "boxed"."""
+    if action_format == "boxed":
+        boxed = last_boxed(text)
+        if boxed is not None:
+            text = boxed
     stripped = text.strip()
     if "[" not in stripped and "]" not in stripped:
         return f"[{stripped}]"
@@ -399,7 +410,7 @@ class TextArenaEpisode(Episode):
         live = self._game()
         if live.is_done():
             return self._end(live, 0.0, False)
-        refused = self._play(live, format_action(action))
+        refused = self._play(live, format_action(action, self.config.action_format))
         extra = self.config.illegal_penalty if refused else 0.0
         self.illegal += int(refused)
         self._opponent_turns(live)
@@ -420,6 +431,48 @@ class TextArenaEpisode(Episode):
     def close(self) -> None:
         self._forget()
         self._live = None
+
+
+def demonstration_rows(game: str, games: int, seed: int, model_seat: int) -> list[dict[str, Any]]:
+    """SFT rows for the `math` env from `games` games of a two-player `game` against the
+    random opponent, the model's seat playing random legal moves too: per model turn, the
+    observation exactly as this env shows it (`question`), the game's earlier turns as the
+    rollout holds them (`context`, from the second turn on) and the move unbracketed
+    (`answer`, which SFT writes as `\\boxed{...}`: what `action_format: "boxed"` plays).
+    scripts/build_textarena_demos.py writes them."""
+    rules = GAMES.get(game)
+    if rules is None or rules.moves is None:
+        two_player = sorted(g for g, info in GAMES.items() if info.moves is not None)
+        raise ValueError(f"one of the two-player games {', '.join(two_player)}")
+    config = TextArenaConfig(game=game, model_seat=model_seat, action_format="boxed")
+    rows: list[dict[str, Any]] = []
+    for i in range(games):
+        rng = random.Random(f"demo-{game}-{seed + i}")
+        episode = TextArenaEpisode(config, seed + i)
+        messages, _ = episode.initial_observation()
+        history: list[dict[str, str]] = []
+        observation = messages[-1]["content"]
+        while True:
+            live = episode._game()
+            candidates = rules.moves(live.state.game_state)
+            rng.shuffle(candidates)
+            move = next((m for m in candidates if live.accepts(m)), candidates[0])
+            answer = move[1:-1]
+            row: dict[str, Any] = {"question": observation, "answer": answer}
+            if history:
+                row["context"] = list(history)
+            rows.append(row)
+            reply = f"\\boxed{{{answer}}}"
+            result = episode.step(reply)
+            if result.done:
+                break
+            history += [
+                {"role": "user", "content": observation},
+                {"role": "assistant", "content": reply},
+            ]
+            observation = result.next_messages[-1]["content"]
+        episode.close()
+    return rows
 
 
 @dataclass

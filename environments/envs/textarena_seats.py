@@ -131,7 +131,7 @@ class TextArenaSelfPlayEpisode(Episode):
         if game.is_over():
             return self._outcome()
         try:
-            refused = game.play(self.seat, format_action(action))
+            refused = game.play(self.seat, format_action(action, self.config.action_format))
         except GameAbandoned:
             return self._outcome()
         extra = self.config.illegal_penalty if refused else 0.0

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from jobs.spec import parse_spec
 from tests.e2e.rows import addition_rows
+from training import peft_io
 from training.engine import Engine
 from workers.runners.loop import TrainingLoop
 
@@ -293,3 +294,96 @@ def test_a_pipelined_run_resumes_at_its_checkpoints_data_cursor(
     assert second.events[0][1] == {"checkpoint": "step-000002", "step": 2, "cursor": 6}
     assert [second.metrics[s]["rollout/off_policy_steps"] for s in (3, 4)] == [0, 1]
     assert sorted(second.metrics) == [3, 4]
+
+
+def test_a_run_with_init_weights_starts_from_them_and_a_resumed_run_from_its_own_checkpoint(
+    engine: Engine, tmp_path: Path
+) -> None:
+    sft = parse_spec(
+        {
+            "method": "sft",
+            "env": "math",
+            "dataset": "builtin:unused",
+            "steps": 2,
+            "batch_size": 8,
+            "checkpoint_every": 1,
+            "lora": {"rank": 4, "alpha": 8},
+            "optimizer": {"lr": 1e-2},
+        }
+    )
+    assert run_loop(engine, Recorder(tmp_path / "sft"), sft, "sft-source") is True
+    trained = _adapter(tmp_path / "sft")
+    source = "0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9"
+    rl = _pipelined_spec(0, steps=2, init={"from_job": source})
+
+    def weights_of(loop: TrainingLoop) -> dict[str, torch.Tensor]:
+        return {
+            peft_io.peft_key(name, part): t.detach().clone()
+            for name, (a, b) in loop.policy.lora_weights.items()
+            for part, t in (("A", a), ("B", b))
+        }
+
+    def started(workdir: Path, init: Path, policy_id: str) -> tuple[TrainingLoop, Recorder]:
+        ctx = Recorder(workdir)
+        loop = TrainingLoop(
+            ctx,
+            rl,
+            engine,
+            rows=addition_rows(200),
+            eval_rows=[],
+            policy_id=policy_id,
+            init_weights=init,
+        )
+        assert loop.resume() is False
+        return loop, ctx
+
+    # The final adapter: the policy holds exactly its tensors.
+    loop, ctx = started(tmp_path / "rl", tmp_path / "sft" / "adapter", "from-adapter")
+    try:
+        assert weights_of(loop).keys() == trained.keys()
+        assert all(torch.equal(weights_of(loop)[k], trained[k]) for k in trained)
+        assert ctx.events[0][0] == f"starts from the weights of job {source}"
+    finally:
+        loop.close()
+    # A checkpoint: its weights, and a fresh optimizer at step 0.
+    state = tmp_path / "sft" / "checkpoints" / "step-000001" / "state.pt"
+    saved = torch.load(state, weights_only=True)
+    loop, _ = started(tmp_path / "rl-ckpt", state, "from-checkpoint")
+    try:
+        params = dict(loop.policy.named_parameters())
+        assert all(torch.equal(params[n], w) for n, w in saved["weights"].items())
+        assert loop.policy.step == 0 and not loop.policy.optimizer.state_dict()["state"]
+        assert not torch.equal(weights_of(loop)[next(iter(trained))], trained[next(iter(trained))])
+    finally:
+        loop.close()
+    # A run that already checkpointed resumes its own weights, not the init ones.
+    ctx = Recorder(tmp_path / "rl-own", stop_after=1)
+    own = _pipelined_spec(0, steps=2, checkpoint_every=1, init={"from_job": source})
+    first = TrainingLoop(
+        ctx,
+        own,
+        engine,
+        rows=addition_rows(200),
+        eval_rows=[],
+        policy_id="own-1",
+        init_weights=tmp_path / "sft" / "adapter",
+    )
+    try:
+        assert first.run() is False
+        mine = weights_of(first)
+    finally:
+        first.close()
+    second = TrainingLoop(
+        Recorder(tmp_path / "rl-own", attempt=2),
+        own,
+        engine,
+        rows=addition_rows(200),
+        eval_rows=[],
+        policy_id="own-2",
+        init_weights=tmp_path / "sft" / "adapter",
+    )
+    try:
+        assert second.resume() is True
+        assert all(torch.equal(weights_of(second)[k], mine[k]) for k in mine)
+    finally:
+        second.close()

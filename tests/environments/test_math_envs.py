@@ -7,7 +7,7 @@ import pytest
 from environments.envs.math_code import MathCodeConfig, MathCodeEpisode, extract_code
 from environments.envs.math_env import MathConfig, MathEpisode
 from environments.grading import answers_match, extract_answer
-from environments.registry import make_group_builders
+from environments.registry import ContractError, make_group_builders
 from environments.renderer import Renderer
 from environments.rollouts import run_episode, run_group
 from environments.sandbox import SandboxLimits
@@ -75,6 +75,32 @@ def test_it_rewards_math_answers_with_optional_format_bonus() -> None:
     ep = MathEpisode("q", "5", plain)
     ep.initial_observation()
     assert ep.step("I don't know").error == "no_answer"
+
+
+def test_a_rows_context_comes_before_the_question_and_a_bad_one_is_named() -> None:
+    context = [
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "\\boxed{2}"},
+    ]
+    row = {"question": "What is 2+3?", "answer": "5", "context": context}
+    (builder,) = make_group_builders(
+        "math", config={"system_prompt": "Be brief."}, rows=[row], n_groups=1, group_size=1, seed=0
+    )
+    messages, _ = builder.make_episodes()[0].initial_observation()
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        *context,
+        {"role": "user", "content": "What is 2+3?"},
+    ]
+    for bad, words in [
+        ("earlier", "list of"),
+        ([{"role": "system", "content": "x"}], "list of"),
+        ([{"role": "user", "content": 3}], "list of"),
+        ([{"role": "user", "content": "What is 1+1?"}], "end with an assistant turn"),
+    ]:
+        with pytest.raises(ContractError) as err:
+            make_group_builders("math", rows=[{**row, "context": bad}], n_groups=1, group_size=1)
+        assert err.value.field == "row.context" and words in err.value.reason
 
 
 def test_it_scores_a_math_group_from_the_builtin_dataset(renderer: Renderer) -> None:

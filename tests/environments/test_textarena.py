@@ -127,6 +127,50 @@ def test_it_rewards_a_policy_that_plays_to_win(
             assert traj.turns[-1].metrics["illegal_moves"] == 0.0
 
 
+def test_it_reads_the_last_boxed_move_with_the_boxed_action_format() -> None:
+    def boxed_nim(inp: PolicyInput) -> str:
+        return f"I take \\boxed{{9 9}} no, \\boxed{{{optimal_nim(inp)[1:-1]}}}"
+
+    (traj,) = run_group(boxed_nim, _group("Nim-v0", action_format="boxed"))
+    assert [t.error for t in traj.turns] == [None] * len(traj.turns)
+    assert traj.rewards_per_turn[-1] == 1.0
+    # Without a boxed move, TextArena's own rule applies; the default format never looks
+    # inside \\boxed{}.
+    (unboxed,) = run_group(
+        lambda inp: optimal_nim(inp)[1:-1], _group("Nim-v0", action_format="boxed")
+    )
+    assert unboxed.turns[0].error is None and unboxed.rewards_per_turn[-1] == 1.0
+    (default,) = run_group(boxed_nim, _group("Nim-v0"))
+    assert default.turns[0].error == "illegal_move"
+
+
+def test_the_demonstration_rows_are_the_envs_own_observations_and_legal_moves() -> None:
+    rows = textarena_env.demonstration_rows("Nim-v0", games=3, seed=5, model_seat=0)
+    assert rows == textarena_env.demonstration_rows("Nim-v0", games=3, seed=5, model_seat=0)
+    with pytest.raises(ValueError, match="two-player"):
+        textarena_env.demonstration_rows("Sudoku-v0", games=1, seed=0, model_seat=0)
+    first = TextArenaEpisode(textarena_env.TextArenaConfig(game="Nim-v0"), 5)
+    assert rows[0]["question"] == first.initial_observation()[0][-1]["content"]
+    # Replaying a game's answers through the env accepts every one of them, and
+    replay = TextArenaEpisode(
+        textarena_env.TextArenaConfig(game="Nim-v0", action_format="boxed"), 5
+    )
+    # each row's context is the conversation an RL rollout of that game holds at that turn.
+    conversation = replay.initial_observation()[0]
+    for i, row in enumerate(rows):
+        assert [
+            *row.get("context", []),
+            {"role": "user", "content": row["question"]},
+        ] == conversation
+        reply = f"\\boxed{{{row['answer']}}}"
+        result = replay.step(reply)
+        assert result.error is None
+        if result.done:
+            break
+        assert result.next_messages[-1]["content"] == rows[i + 1]["question"]
+        conversation += [{"role": "assistant", "content": reply}, *result.next_messages]
+
+
 @pytest.mark.parametrize("game", ["TicTacToe-v0", "KuhnPoker-v0"])
 def test_it_plays_legal_moves_against_the_random_opponent(game: str) -> None:
     outcomes = set()
@@ -333,6 +377,7 @@ def test_it_keeps_each_games_randomness_to_itself() -> None:
         ({"illegal_penalty": "a lot"}, "env_config.illegal_penalty", "number"),
         ({"move_timeout_s": 0}, "env_config.move_timeout_s", "greater than 0"),
         ({"players": 3}, "env_config.players", "unknown setting"),
+        ({"action_format": "json"}, "env_config.action_format", "'text' or 'boxed'"),
     ],
 )
 def test_it_names_the_setting_of_a_bad_config(

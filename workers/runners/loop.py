@@ -48,6 +48,7 @@ from training import ops
 from training.checkpoint import CheckpointDir
 from training.engine import Engine
 from training.types import AdamParams, Datum
+from workers.runners.adapters import load_peft_adapter
 from workers.runners.data_order import DataOrder, mix_seed
 from workers.runners.data_processing import apply_kl_penalty, mean, rl_batch, sft_datum, std
 from workers.runners.distributed import Collective
@@ -103,8 +104,12 @@ class TrainingLoop:
         policy_id: str,
         collective: Collective | None = None,
         opponent: Opponent | None = None,
+        init_weights: Path | None = None,
     ) -> None:
         self.ctx = ctx
+        self.init_weights = init_weights
+        """What a run that resumes nothing starts from (`spec.init`): a PEFT adapter directory
+        or a checkpoint's state file (weights only); None: a fresh adapter."""
         self.opponent = opponent
         """The frozen policy of an env that plays one (`GroupBuilder.opponent_episodes`)."""
         self.collective = collective
@@ -167,6 +172,8 @@ class TrainingLoop:
                 f"resumed from checkpoint {record['name']} (step {self.step})",
                 {"checkpoint": record["name"], "step": self.step, "cursor": self.cursor},
             )
+        elif self.rank == 0 and self.init_weights is not None:
+            self._load_init_weights(self.init_weights)
         if self.collective is None:
             return record is not None
         state = self.collective.broadcast_state(
@@ -182,6 +189,18 @@ class TrainingLoop:
             self.step = int(state["loop"]["step"])
             self.cursor = int(state["loop"]["cursor"])
         return bool(state["loop"]["resumed"])
+
+    def _load_init_weights(self, path: Path) -> None:
+        if path.is_dir():
+            load_peft_adapter(self.policy, path)
+        else:
+            self.policy.load_weights(path)
+        init = self.spec.init
+        data = init.model_dump() if init is not None else {"path": str(path)}
+        source = f"job {init.from_job}" if init is not None else str(path)
+        if init is not None and init.checkpoint:
+            source += f" ({init.checkpoint})"
+        self.ctx.event(f"starts from the weights of {source}", data)
 
     def _should_stop(self) -> bool:
         """The context's cancel or lost lease, as rank 0 sees it, on every rank."""

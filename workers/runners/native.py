@@ -39,6 +39,23 @@ from workers.runners.loop_types import LoopContext
 from workers.runners.rollouts import Opponent
 
 
+def _init_weights(spec: JobSpec) -> Path | None:
+    """Where the weights of `spec.init` lie: the job's checkpoint state or its final adapter
+    (checked at submission; gone since, the run fails rather than start from scratch)."""
+    if spec.init is None:
+        return None
+    job_id, checkpoint = spec.init.from_job, spec.init.checkpoint
+    path = (
+        artifacts.checkpoint_file(job_id, checkpoint)
+        if checkpoint is not None
+        else artifacts.adapter_dir(job_id)
+    )
+    if path is None:
+        what = f"checkpoint {checkpoint!r}" if checkpoint is not None else "final adapter"
+        raise LookupError(f"init: the {what} of job {job_id} is gone")
+    return path
+
+
 def _load_job_weights(
     engine: Engine, job_id: str | None, checkpoint: str | None, policy_id: str
 ) -> Policy | None:
@@ -147,6 +164,10 @@ def _train(
             policy_id=f"job-{tag}",
             collective=collective,
             opponent=opponent,
+            # Followers get rank 0's weights in `resume`'s broadcast; the files may be elsewhere.
+            init_weights=_init_weights(spec)
+            if collective is None or collective.rank == 0
+            else None,
         )
         try:
             loop.run()
