@@ -4,7 +4,7 @@ validators raise; `jobs.spec` assembles them into the versioned JobSpec."""
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -184,6 +184,13 @@ def job_id(value: str) -> str:
         raise ValueError("must be a job id (UUID)") from None
 
 
+def checkpoint_field(description: str) -> Any:
+    """An optional checkpoint name of another job, as its checkpoints directory lists it."""
+    return Field(
+        None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$", description=description
+    )
+
+
 class EvalSpec(Section):
     """What an eval job (``kind: eval``) runs through the env, with training switched off."""
 
@@ -194,12 +201,8 @@ class EvalSpec(Section):
             "`checkpoint`; null = the base model itself."
         ),
     )
-    checkpoint: str | None = Field(
-        None,
-        min_length=1,
-        max_length=100,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="A checkpoint of `from_job` (e.g. 'step-000010') instead of its final adapter.",
+    checkpoint: str | None = checkpoint_field(
+        "A checkpoint of `from_job` (e.g. 'step-000010') instead of its final adapter."
     )
     split: Literal["heldout", "all"] = Field(
         "heldout",
@@ -232,12 +235,8 @@ class InitSpec(Section):
             "settings as this job: its final adapter, or `checkpoint`."
         ),
     )
-    checkpoint: str | None = Field(
-        None,
-        min_length=1,
-        max_length=100,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="A checkpoint of `from_job` (e.g. 'step-000010'): its weights only.",
+    checkpoint: str | None = checkpoint_field(
+        "A checkpoint of `from_job` (e.g. 'step-000010'): its weights only."
     )
 
     @field_validator("from_job")

@@ -323,22 +323,28 @@ def test_a_run_with_init_weights_starts_from_them_and_a_resumed_run_from_its_own
             for part, t in (("A", a), ("B", b))
         }
 
-    def started(workdir: Path, init: Path, policy_id: str) -> tuple[TrainingLoop, Recorder]:
-        ctx = Recorder(workdir)
-        loop = TrainingLoop(
+    adapter = tmp_path / "sft" / "adapter"
+    state = tmp_path / "sft" / "checkpoints" / "step-000001" / "state.pt"
+
+    def loop_for(ctx: Recorder, spec: Any, policy_id: str, init: Path = adapter) -> TrainingLoop:
+        return TrainingLoop(
             ctx,
-            rl,
+            spec,
             engine,
             rows=addition_rows(200),
             eval_rows=[],
             policy_id=policy_id,
             init_weights=init,
         )
+
+    def started(workdir: Path, policy_id: str, init: Path) -> tuple[TrainingLoop, Recorder]:
+        ctx = Recorder(workdir)
+        loop = loop_for(ctx, rl, policy_id, init)
         assert loop.resume() is False
         return loop, ctx
 
     # The final adapter: the policy holds exactly its tensors.
-    loop, ctx = started(tmp_path / "rl", tmp_path / "sft" / "adapter", "from-adapter")
+    loop, ctx = started(tmp_path / "rl", "from-adapter", adapter)
     try:
         assert weights_of(loop).keys() == trained.keys()
         assert all(torch.equal(weights_of(loop)[k], trained[k]) for k in trained)
@@ -346,9 +352,8 @@ def test_a_run_with_init_weights_starts_from_them_and_a_resumed_run_from_its_own
     finally:
         loop.close()
     # A checkpoint: its weights, and a fresh optimizer at step 0.
-    state = tmp_path / "sft" / "checkpoints" / "step-000001" / "state.pt"
     saved = torch.load(state, weights_only=True)
-    loop, _ = started(tmp_path / "rl-ckpt", state, "from-checkpoint")
+    loop, _ = started(tmp_path / "rl-ckpt", "from-checkpoint", state)
     try:
         params = dict(loop.policy.named_parameters())
         assert all(torch.equal(params[n], w) for n, w in saved["weights"].items())
@@ -359,29 +364,13 @@ def test_a_run_with_init_weights_starts_from_them_and_a_resumed_run_from_its_own
     # A run that already checkpointed resumes its own weights, not the init ones.
     ctx = Recorder(tmp_path / "rl-own", stop_after=1)
     own = _pipelined_spec(0, steps=2, checkpoint_every=1, init={"from_job": source})
-    first = TrainingLoop(
-        ctx,
-        own,
-        engine,
-        rows=addition_rows(200),
-        eval_rows=[],
-        policy_id="own-1",
-        init_weights=tmp_path / "sft" / "adapter",
-    )
+    first = loop_for(ctx, own, "own-1")
     try:
         assert first.run() is False
         mine = weights_of(first)
     finally:
         first.close()
-    second = TrainingLoop(
-        Recorder(tmp_path / "rl-own", attempt=2),
-        own,
-        engine,
-        rows=addition_rows(200),
-        eval_rows=[],
-        policy_id="own-2",
-        init_weights=tmp_path / "sft" / "adapter",
-    )
+    second = loop_for(Recorder(tmp_path / "rl-own", attempt=2), own, "own-2")
     try:
         assert second.resume() is True
         assert all(torch.equal(weights_of(second)[k], mine[k]) for k in mine)
