@@ -122,7 +122,8 @@ def check_row(number: int, row: dict[str, Any], schema: DatasetSchema) -> list[R
     errors: list[RowError] = []
     for col in schema.columns:
         if col.name not in row or row[col.name] is None:
-            errors.append(RowError(number, col.name, "missing"))
+            if col.required:
+                errors.append(RowError(number, col.name, "missing"))
             continue
         value = row[col.name]
         # bool is an int subclass, but True is not an answer.

@@ -265,12 +265,28 @@ def _pick_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, 
     return [rows[order[i % len(order)]] for i in range(n)]
 
 
+def _context_problem(value: Any) -> str | None:
+    try:
+        row_context(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _register_builtins() -> None:
     qa_schema = DatasetSchema(
         (
             Column("question", (str,), description="the problem shown to the model"),
             Column(
                 "answer", (str, int, float), description="ground truth, compared for equivalence"
+            ),
+            Column(
+                "context",
+                (list,),
+                description="math only: user and assistant turns shown before the question, "
+                "ending with the assistant's (e.g. a game's earlier turns)",
+                check=_context_problem,
+                required=False,
             ),
         )
     )

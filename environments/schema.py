@@ -21,6 +21,8 @@ class Column:
     check: Callable[[Any], str | None] | None = None
     """What is wrong with a value of the right type (None: nothing), e.g. an undecodable
     image."""
+    required: bool = True
+    """False: a row may leave the column out (or null); when present it is checked."""
 
     def type_names(self) -> str:
         names = dict.fromkeys("number" if t in (int, float) else t.__name__ for t in self.types)
@@ -29,12 +31,18 @@ class Column:
 
 @dataclass(frozen=True)
 class DatasetSchema:
-    """Required columns of an environment's dataset; extra columns are kept and ignored."""
+    """The columns of an environment's dataset (required unless marked optional); extra
+    columns are kept and ignored."""
 
     columns: tuple[Column, ...]
 
-    def describe(self) -> list[dict[str, str]]:
+    def describe(self) -> list[dict[str, Any]]:
         return [
-            {"name": c.name, "type": c.type_names(), "description": c.description}
+            {
+                "name": c.name,
+                "type": c.type_names(),
+                "description": c.description,
+                "required": c.required,
+            }
             for c in self.columns
         ]

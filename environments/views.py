@@ -22,6 +22,7 @@ class DatasetColumnSerializer(serializers.Serializer):
     name = serializers.CharField()
     type = serializers.CharField(help_text="JSON type(s) the column's values must have.")
     description = serializers.CharField()
+    required = serializers.BooleanField(help_text="False: a row may leave the column out.")
 
 
 class EnvironmentSerializer(serializers.Serializer):

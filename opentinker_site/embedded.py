@@ -113,6 +113,15 @@ def ensure_valkey(data_dir: str = "") -> str:
         return url
 
 
+def owned_url() -> str | None:
+    """The URL of the embedded server this very process started (and stops at exit), if any:
+    a child that must outlive this process needs its own, not this one."""
+    with _lock:
+        if _server is None or _owner_pid != os.getpid():
+            return None
+        return _url(_server, _password)
+
+
 def revive_valkey() -> int | None:
     """If this process's embedded server has died, start it again; returns its port then.
 

@@ -79,6 +79,27 @@ def test_it_reports_the_first_bad_jsonl_rows_by_number_column_and_reason(tmp_pat
     assert "row 2, column 'question': empty" in str(err.value)
 
 
+def test_it_checks_the_optional_context_column_only_where_a_row_has_one(tmp_path: Path) -> None:
+    turns = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    lines = [
+        {"question": "What is 1+1?", "answer": "2"},
+        {"question": "And 2+2?", "answer": "4", "context": turns},
+        {"question": "And 3+3?", "answer": "6", "context": None},
+        {"question": "Q", "answer": "1", "context": "earlier"},
+        {"question": "Q", "answer": "1", "context": turns[:1]},
+    ]
+    path = tmp_path / "context.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines))
+    with pytest.raises(DatasetValidationError) as err:
+        load_rows(path, "math")
+    errors = err.value.as_list()
+    assert [(e["row"], e["column"]) for e in errors] == [(4, "context"), (5, "context")]
+    assert errors[0]["reason"] == "expected list, got str"
+    assert "end with an assistant turn" in errors[1]["reason"]
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines[:3]))
+    assert [r.get("context") for r in load_rows(path, "math")] == [None, turns, None]
+
+
 def test_it_caps_the_number_of_reported_errors(tmp_path: Path) -> None:
     path = tmp_path / "many.jsonl"
     path.write_text("".join(json.dumps({"question": "q"}) + "\n" for _ in range(100)))

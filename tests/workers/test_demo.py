@@ -7,11 +7,16 @@ default spec is checked against the same validation a submission gets.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from tests.fixtures.served import embedded_env
@@ -76,3 +81,44 @@ def test_it_ships_a_default_demo_spec_that_validates() -> None:
     assert len(held) == spec.eval_examples and len(train) >= spec.rollout.prompts_per_step
     assert len({r["question"] for r in rows}) == len(rows)
     assert all(set(r) == {"question", "answer"} and r["answer"].isdigit() for r in rows)
+
+
+@pytest.mark.live
+@pytest.mark.timeout(180)
+def test_a_service_left_running_keeps_running_jobs_after_the_demo_exits(tmp_path: Path) -> None:
+    # The demo's own embedded Valkey stops with it: the service it leaves owns another one.
+    env = embedded_env(tmp_path, "keptnode")
+    out = subprocess.run(
+        [
+            *(sys.executable, str(ROOT / "manage.py"), "demo", "--smoke", "--steps", "1"),
+            *("--step-seconds", "0.1", "--port", "0", "--timeout", "120", "--keep-serving"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=170,
+    )
+    url = re.search(r"started the service at (\S+)", out.stdout)
+    key = re.search(r"^\s+(otk_\S+)$", out.stdout, re.MULTILINE)
+    try:
+        assert out.returncode == 0 and url and key, out.stdout + out.stderr
+        with httpx.Client(
+            base_url=url.group(1), headers={"Authorization": f"Bearer {key.group(1)}"}
+        ) as client:
+            spec = {"method": "smoke", "smoke_steps": 1, "smoke_step_seconds": 0.1}
+            job = client.post("/api/v1/jobs", json={"name": "after", "spec": spec})
+            assert job.status_code == 201, job.text
+            deadline = time.monotonic() + 60
+            state = ""
+            while time.monotonic() < deadline and state != "SUCCEEDED":
+                time.sleep(0.5)
+                state = client.get(f"/api/v1/jobs/{job.json()['id']}").json()["state"]
+            assert state == "SUCCEEDED", (tmp_path / "serve.log").read_text(errors="replace")
+    finally:
+        port = url.group(1).rsplit(":", 1)[1] if url else None
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if port and "serve" in cmdline and port in cmdline:
+                os.killpg(os.getpgid(proc.pid), signal.SIGTERM)

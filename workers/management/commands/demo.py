@@ -30,6 +30,7 @@ from django.db import transaction
 
 from accounts.keys import issue_key
 from accounts.models import Membership, Team
+from opentinker_site import embedded
 from training import data
 from workers.processes import stop_process_group
 
@@ -113,6 +114,17 @@ def _stopped_by_signal(signum: int, frame: Any) -> None:
     raise CommandError(f"stopped by {signal.Signals(signum).name}")
 
 
+def _serve_env() -> dict[str, str]:
+    """The service's environment: without the embedded Valkey this process started, which
+    stops when it exits, so that a service left running (`--keep-serving`) starts and owns
+    its own."""
+    env = dict(os.environ)
+    owned = embedded.owned_url()
+    if owned is not None and env.get("REDIS_URL") == owned:
+        del env["REDIS_URL"]
+    return env
+
+
 class Command(BaseCommand):
     help = "Create a demo user, team and API key, start the service, run a demo job to the end."
 
@@ -168,7 +180,7 @@ class Command(BaseCommand):
                             str(port),
                             "--no-migrate",
                         ],
-                        env=dict(os.environ),
+                        env=_serve_env(),
                         cwd=settings.BASE_DIR,
                         start_new_session=True,
                         stdout=log_file,
