@@ -35,6 +35,7 @@ ONCE_PATHS = (
     "e2e/test_verl_real.py",
     "e2e/test_data_parallel.py",
     "e2e/test_init_from_job.py",
+    "e2e/test_serve_chaos.py",
     "e2e/test_snapshot_opponent.py",
     "e2e/test_training_loop.py",
     "environments/test_bandit.py",
@@ -55,6 +56,10 @@ ONCE_PATHS = (
     "tinker_api/test_sdk_images.py",
     "tinker_api/test_weights_out.py",
     "web/test_browser",
+    # The service on the embedded defaults whatever the pass (tests.fixtures.served), with
+    # Redis servers of their own where they stop one.
+    "workers/test_demo.py",
+    "workers/test_serve_supervisor.py",
 )
 
 
