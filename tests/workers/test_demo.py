@@ -24,32 +24,33 @@ from tests.fixtures.served import embedded_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.live
-@pytest.mark.timeout(180)
-def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
-    env = embedded_env(tmp_path, "demonode")
-    out = subprocess.run(
+def run_demo(data_dir: Path, node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`manage.py demo --smoke` on the embedded defaults in `data_dir`, on a free port."""
+    return subprocess.run(
         [
             sys.executable,
             str(ROOT / "manage.py"),
             "demo",
             "--smoke",
-            "--steps",
-            "2",
-            "--step-seconds",
-            "0.2",
+            *args,
             "--port",
             "0",
             "--timeout",
             "120",
         ],
         cwd=ROOT,
-        env=env,
+        env=embedded_env(data_dir, node),
         capture_output=True,
         text=True,
         check=False,
         timeout=170,
     )
+
+
+@pytest.mark.live
+@pytest.mark.timeout(180)
+def test_it_runs_the_demo_job_through_the_http_api(tmp_path: Path) -> None:
+    out = run_demo(tmp_path, "demonode", "--steps", "2", "--step-seconds", "0.2")
     serve_log = tmp_path / "serve.log"
     log = serve_log.read_text(errors="replace") if serve_log.exists() else ""
     assert out.returncode == 0, out.stdout + out.stderr + log
@@ -87,19 +88,7 @@ def test_it_ships_a_default_demo_spec_that_validates() -> None:
 @pytest.mark.timeout(180)
 def test_a_service_left_running_keeps_running_jobs_after_the_demo_exits(tmp_path: Path) -> None:
     # The demo's own embedded Valkey stops with it: the service it leaves owns another one.
-    env = embedded_env(tmp_path, "keptnode")
-    out = subprocess.run(
-        [
-            *(sys.executable, str(ROOT / "manage.py"), "demo", "--smoke", "--steps", "1"),
-            *("--step-seconds", "0.1", "--port", "0", "--timeout", "120", "--keep-serving"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=170,
-    )
+    out = run_demo(tmp_path, "keptnode", "--steps", "1", "--step-seconds", "0.1", "--keep-serving")
     url = re.search(r"started the service at (\S+)", out.stdout)
     key = re.search(r"^\s+(otk_\S+)$", out.stdout, re.MULTILINE)
     try:
