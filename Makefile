@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: java demo serve test test-fast test-embedded test-engine test-services test-verl test-verl-multinode test-lane-a test-lane-b install model datasets bench lint clean verl-env
+.PHONY: java demo serve test test-fast test-embedded test-engine test-services test-verl test-verl-multinode install model datasets bench lint clean verl-env
 
 demo: install
 	$(PY) manage.py demo
@@ -42,58 +42,67 @@ model: install
 datasets: install
 	$(PY) scripts/build_datasets.py
 
-# Two lanes side by side: lane A the embedded pass less the engine's tests, lane B the pass
-# against PostgreSQL + Redis and then the engine's tests (which touch neither); the real
-# verl jobs (minutes each; on the embedded defaults) are split between the lanes so that
-# both take about as long. Their live tests spend much of their time waiting on worker
-# subprocesses that train on one thread, so two lanes fill two cores. Each run has its own
-# data directory (dataset files are named by row id, which the databases reuse). The verl
-# venv is built first (a no-op when its pins are unchanged); where it cannot be built the
-# verl tests skip, as the browser tests do without Chromium. The verl job across two nodes (a
-# Ray cluster of two nodes on this host, two vLLM servers, ~8 min, ~10 GiB) is not part of
-# `make test` (it would take CI past its time budget): `make test-verl-multinode` runs it.
-VERL_LANE_A := gomoku or vllm or sft
+# The suite as parallel parts (tests/sharding.py): the real verl jobs in two shards (a verl
+# job takes ~6 GiB, so no more than two at once), the pass against PostgreSQL + Redis, the
+# embedded pass in EMBEDDED_SHARDS shards by test file, and the engine's tests, started in
+# that order (the longest first) on TEST_SLOTS slots. Most of a live test's time is spent
+# waiting on worker subprocesses, servers and polls, so one pytest process keeps two cores
+# only partly busy: four slots fill them. Each part has its own data directory, SQLite file
+# and embedded Valkey (dataset files are named by row id, which the databases reuse); the
+# shards are balanced by tests/durations.json, which each part's recorded durations refresh
+# (`make test-durations`). The verl venv and the browser are installed first (no-ops when
+# present); without them those tests skip. The verl job across two nodes (a Ray cluster of
+# two nodes on this host, two vLLM servers, ~8 min, ~10 GiB) is not part of `make test` (it
+# would take CI past its time budget): `make test-verl-multinode` runs it.
 VERL_ALONE := two_nodes
+TEST_SLOTS ?= 4
+EMBEDDED_SHARDS ?= 6
+VERL_SHARDS := 2
+EMBEDDED_PARTS := $(addprefix test-embedded-,$(shell seq 1 $(EMBEDDED_SHARDS)))
+VERL_PARTS := $(addprefix test-verl-,$(shell seq 1 $(VERL_SHARDS)))
+TEST_PARTS := $(VERL_PARTS) test-services $(EMBEDDED_PARTS) test-engine
+.PHONY: $(TEST_PARTS) test-durations
+
 test: install
 	bash scripts/install_browser.sh || echo "Chromium not installed: the browser tests will be skipped"
 	bash scripts/install_java.sh || echo "Java not installed: the scienceworld tests will be skipped"
 	$(MAKE) verl-env || echo "the verl venv could not be built: the verl tests will be skipped"
-	$(MAKE) -j2 --output-sync=target test-lane-a test-lane-b
+	rm -rf var/durations
+	$(MAKE) -k -j$(TEST_SLOTS) --output-sync=target --no-print-directory $(TEST_PARTS)
 
 test-verl-multinode: install verl-env
 	$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_ALONE)" VERL_DATA=test-verl-alone
 
-# pytest on the embedded defaults, in the data directory var/$(1).
+# pytest on the embedded defaults, in the data directory var/$(1), recording its durations.
 embedded_pytest = env -u DATABASE_URL -u REDIS_URL OPENTINKER_DATA_DIR=$(CURDIR)/var/$(1) \
+	OPENTINKER_TEST_DURATIONS_OUT=$(CURDIR)/var/durations/$(1).json \
 	$(PY) -m pytest -q --durations=15
 
-# EMBEDDED_ARGS: more pytest arguments (lane A leaves the engine's tests to lane B).
-EMBEDDED_ARGS ?=
+# The embedded pass in one process (the engine's tests included).
 test-embedded:
-	$(call embedded_pytest,test-embedded) -m "not verl" $(EMBEDDED_ARGS)
+	$(call embedded_pytest,test-embedded) -m "not verl"
+
+$(EMBEDDED_PARTS): test-embedded-%:
+	OPENTINKER_TEST_SHARD=$*/$(EMBEDDED_SHARDS) \
+		$(call embedded_pytest,test-embedded-$*) -m "not verl" --ignore=tests/training
 
 # The engine's tests (tests/training): no database or Redis, on the embedded defaults.
 test-engine:
 	$(call embedded_pytest,test-engine) -m "not verl" tests/training
 
 # verl's real trainer (tests marked `verl`), on the embedded defaults; VERL_K picks some.
-# The lanes run theirs at the same time, each in its own data directory (and SQLite file).
-VERL_K ?=
+VERL_K ?= not $(VERL_ALONE)
 VERL_DATA ?= test-verl
 test-verl:
-	$(call embedded_pytest,$(VERL_DATA)) -m verl $(if $(VERL_K),-k "$(VERL_K)")
+	$(call embedded_pytest,$(VERL_DATA)) -m verl -k "$(VERL_K)"
 
-# Each lane runs both of its parts even when the first fails, and fails if either did.
-test-lane-a:
-	@$(MAKE) --no-print-directory test-embedded EMBEDDED_ARGS=--ignore=tests/training; first=$$?; \
-		$(MAKE) --no-print-directory test-verl VERL_K="$(VERL_LANE_A)" VERL_DATA=test-verl-a; second=$$?; \
-		test $$first -eq 0 -a $$second -eq 0
+$(VERL_PARTS): test-verl-%:
+	OPENTINKER_TEST_SHARD=$*/$(VERL_SHARDS) OPENTINKER_TEST_SHARD_UNIT=test \
+		$(call embedded_pytest,test-verl-$*) -m verl -k "not $(VERL_ALONE)"
 
-test-lane-b:
-	@$(MAKE) --no-print-directory test-services; first=$$?; \
-		$(MAKE) --no-print-directory test-engine; second=$$?; \
-		$(MAKE) --no-print-directory test-verl VERL_K="not ($(VERL_LANE_A) or $(VERL_ALONE))" VERL_DATA=test-verl-b; third=$$?; \
-		test $$first -eq 0 -a $$second -eq 0 -a $$third -eq 0
+# tests/durations.json from what the last `make test`'s shards recorded.
+test-durations:
+	$(PY) scripts/test_durations.py var/durations/test-embedded-*.json var/durations/test-verl-*.json
 
 # Unit and service tests: no Celery worker, web server, browser or training run is started
 # (tests/conftest.py marks those `live`). The database and the embedded Valkey are real.
@@ -101,7 +110,7 @@ test-fast: install
 	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q -m "not live and not slow and not gpu and not verl"
 
 # The same suite against real PostgreSQL and Redis, when this machine has them. The engine's
-# tests (tests/training) touch neither and ran once already.
+# tests (tests/training) touch neither: test-engine runs them once.
 test-services:
 	@if $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"; then \
 		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" \

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.accounts", "tests.fixtures.workers"]
+pytest_plugins = ["tests.fixtures.accounts", "tests.fixtures.workers", "tests.sharding"]
 
 # Fixtures that start a Celery worker, a web server, a browser or a long training process.
 LIVE_FIXTURES = {
