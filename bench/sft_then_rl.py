@@ -4,7 +4,8 @@ service: the held-out game reward before and after the RL job.
     .venv/bin/python manage.py demo --smoke --steps 1 --keep-serving   # prints URL and key
     .venv/bin/python scripts/build_textarena_demos.py --game Nim-v0 --out var/nim-demos.jsonl
     .venv/bin/python bench/sft_then_rl.py --url URL --key KEY --rows var/nim-demos.jsonl \\
-        [--game Nim-v0] [--sft-steps 40] [--rl-steps 30] [--prompts 8] [--group 8]
+        [--game Nim-v0] [--sft-steps 40] [--rl-steps 30] [--prompts 8] [--group 8] \\
+        [--max-tokens 10] [--temperature 1.0] [--rl-lr 1e-3] [--sft-job ID]
 
 Uploads the rows (`env: math`), runs an SFT job on them, then an RL job on the `textarena`
 game against its random opponent (`action_format: "boxed"`) whose `init.from_job` names the
@@ -35,21 +36,7 @@ def _finish(job: Any, what: str, started: float) -> Any:
     return job
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--key", required=True)
-    parser.add_argument("--rows", type=Path, required=True)
-    parser.add_argument("--game", default="Nim-v0")
-    parser.add_argument("--sft-steps", type=int, default=40)
-    parser.add_argument("--rl-steps", type=int, default=30)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    args = parser.parse_args()
-    from opentinker import Client
-
-    client = Client(args.url, args.key)
-    started = time.perf_counter()
+def _sft(client: Any, args: argparse.Namespace, started: float) -> Any:
     dataset = client.datasets.upload(args.rows, env="math", name=f"demos-{int(time.time())}")
     sft = client.jobs.submit(
         {
@@ -65,24 +52,56 @@ def main() -> None:
         },
         name="demos-sft",
     )
-    _finish(sft, "SFT job", started)
+    return _finish(sft, "SFT job", started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--rows", type=Path, required=True)
+    parser.add_argument("--game", default="Nim-v0")
+    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--rl-steps", type=int, default=30)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument(
+        "--max-tokens", type=int, default=10, help="of a move (\\boxed{...} whole: 16 for words)"
+    )
+    parser.add_argument("--rl-lr", type=float, default=1e-3)
+    parser.add_argument("--temperature", type=float, default=1.0, help="of the RL rollouts")
+    parser.add_argument("--sft-job", help="start RL from this finished SFT job (no upload, no SFT)")
+    args = parser.parse_args()
+    from opentinker import Client
+
+    client = Client(args.url, args.key)
+    started = time.perf_counter()
+    if args.sft_job:
+        sft = client.jobs.get(args.sft_job)
+    else:
+        sft = _sft(client, args, started)
     rl = client.jobs.submit(
         {
             "method": "rl",
             "env": "textarena",
-            "env_config": {"game": args.game, "action_format": "boxed", "max_tokens": 10},
+            "env_config": {
+                "game": args.game,
+                "action_format": "boxed",
+                "max_tokens": args.max_tokens,
+            },
             "init": {"from_job": str(sft.id)},
             "steps": args.rl_steps,
             "seed": 1,
             "rollout": {
                 "group_size": args.group,
                 "prompts_per_step": args.prompts,
-                "max_tokens": 10,
+                "max_tokens": args.max_tokens,
                 "max_turns": 16,
+                "temperature": args.temperature,
             },
             "algorithm": {"advantage": "grpo", "normalize_std": True},
             "lora": LORA,
-            "optimizer": {"lr": 1e-3},
+            "optimizer": {"lr": args.rl_lr},
             "eval_every": 10,
             "eval_examples": 100,
             "checkpoint_every": 10,

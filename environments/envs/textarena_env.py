@@ -63,10 +63,22 @@ def _nim_moves(state: dict[str, Any]) -> list[str]:
     return [f"[{p} {q}]" for p, n in enumerate(state["piles"]) for q in range(1, n + 1)]
 
 
+def _kuhn_moves(state: dict[str, Any]) -> list[str]:
+    return ["[check]", "[bet]", "[call]", "[fold]"]
+
+
+# Games built from TextArena's own game classes with other arguments, registered under these
+# ids: TextArena's KuhnPoker-v0 plays 3 rounds, whose text passes 1,000 tokens by the third
+# round with a small byte-level tokenizer; one round is ~650-800 tokens.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "KuhnPoker-v0-1round": ("textarena.envs.KuhnPoker.env:KuhnPokerEnv", {"max_rounds": 1}),
+}
+
 GAMES: dict[str, GameInfo] = {
     "TicTacToe-v0": GameInfo(2, lambda s: [f"[{i}]" for i in range(9)]),
     "ConnectFour-v0": GameInfo(2, lambda s: [f"[col {c}]" for c in range(len(s["board"][0]))]),
-    "KuhnPoker-v0": GameInfo(2, lambda s: ["[check]", "[bet]", "[call]", "[fold]"]),
+    "KuhnPoker-v0": GameInfo(2, _kuhn_moves),
+    "KuhnPoker-v0-1round": GameInfo(2, _kuhn_moves),
     "Nim-v0": GameInfo(2, _nim_moves),
     "GuessTheNumber-v0": GameInfo(1),
     "TowerOfHanoi-v0": GameInfo(1),
@@ -175,7 +187,16 @@ def _library() -> Any:
         raise ValueError(
             "textarena is not installed on this server (the `envs` extra of opentinker)"
         ) from exc
+    from textarena.envs.registration import ENV_REGISTRY, register  # type: ignore[import-untyped]
+
+    with _REGISTER_LOCK:
+        for game, (entry_point, kwargs) in VARIANTS.items():
+            if game not in ENV_REGISTRY:
+                register(id=game, entry_point=entry_point, **kwargs)
     return textarena
+
+
+_REGISTER_LOCK = threading.Lock()
 
 
 def format_action(text: str, action_format: str = "text") -> str:

@@ -29,10 +29,10 @@ def test_a_bad_shard_value_names_the_variable(value: str) -> None:
         parse_shard(value)
 
 
-def _collect(tmp_path: Path, shard: str, unit: str = "file") -> set[str]:
-    env = dict(os.environ, OPENTINKER_TEST_SHARD=shard, OPENTINKER_TEST_SHARD_UNIT=unit)
-    env.update(PYTHONPATH=str(ROOT), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    result = subprocess.run(
+def _pytest(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """Collect the tests under ``tmp_path`` with only the sharding plugin loaded."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **env)
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.sharding", "--collect-only", "-q"],
         cwd=tmp_path,
         env=env,
@@ -40,6 +40,10 @@ def _collect(tmp_path: Path, shard: str, unit: str = "file") -> set[str]:
         text=True,
         check=False,
     )
+
+
+def _collect(tmp_path: Path, shard: str, unit: str = "file") -> set[str]:
+    result = _pytest(tmp_path, OPENTINKER_TEST_SHARD=shard, OPENTINKER_TEST_SHARD_UNIT=unit)
     assert result.returncode in (0, 5), result.stdout + result.stderr
     return {line for line in result.stdout.splitlines() if "::" in line}
 
@@ -64,15 +68,6 @@ def test_the_shards_partition_the_collected_tests(tmp_path: Path) -> None:
 def test_a_bad_shard_value_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
-    env = dict(os.environ, OPENTINKER_TEST_SHARD="5/2", PYTHONPATH=str(ROOT))
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.sharding", "--collect-only", "-q"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = _pytest(tmp_path, OPENTINKER_TEST_SHARD="5/2")
     assert result.returncode == 4
     assert "OPENTINKER_TEST_SHARD='5/2'" in result.stderr

@@ -186,6 +186,32 @@ def test_it_plays_legal_moves_against_the_random_opponent(game: str) -> None:
     assert len(outcomes) >= 2
 
 
+def kuhn_by_card(inp: PolicyInput) -> str:
+    """Bet or call with the king, check or fold otherwise."""
+    card = re.findall(r"Your card is: '([JQK])'", _seen(inp))[-1]
+    moves = _quoted_moves(inp, "available actions are:")
+    wanted = ["[bet]", "[call]"] if card == "K" else ["[check]", "[fold]"]
+    return next(m for m in wanted if m in moves)
+
+
+def test_the_one_round_kuhn_poker_ends_after_one_deal_and_a_king_always_wins_it() -> None:
+    cards = []
+    for seed in range(12):
+        (traj,) = run_group(kuhn_by_card, _group("KuhnPoker-v0-1round", seed=seed))
+        assert traj.error is None and all(t.error is None for t in traj.turns)
+        seen = "\n".join(
+            m["content"] for m in traj.turns[0].observation_messages if m["role"] == "user"
+        )
+        assert "in a 1 round game of Kuhn Poker" in seen
+        assert 1 <= len(traj.turns) <= 2
+        card = re.findall(r"Your card is: '([JQK])'", seen)[-1]
+        cards.append(card)
+        if card == "K":
+            assert traj.total_reward == 1.0
+        assert traj.total_reward in (-1.0, 1.0)
+    assert set(cards) == {"J", "Q", "K"}
+
+
 def test_it_sends_only_what_is_new_each_turn() -> None:
     (traj,) = run_group(first_listed, _group("TicTacToe-v0", model_seat=0))
     first, second = (t.observation_messages[0]["content"] for t in traj.turns[:2])
