@@ -76,8 +76,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         unit = _unit(item, by_test)
         costs[unit] = costs.get(unit, 0.0) + recorded.get(item.nodeid, DEFAULT_COST)
     shards = assign(costs, count)
-    keep = [item for item in items if shards[_unit(item, by_test)] == index - 1]
-    dropped = [item for item in items if shards[_unit(item, by_test)] != index - 1]
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (keep if shards[_unit(item, by_test)] == index - 1 else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep

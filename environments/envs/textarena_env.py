@@ -34,6 +34,7 @@ self-play threads, an env worker) stay reproducible and a replay lands in the sa
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
 import uuid
@@ -69,7 +70,7 @@ def _kuhn_moves(state: dict[str, Any]) -> list[str]:
 
 # Games built from TextArena's own game classes with other arguments, registered under these
 # ids: TextArena's KuhnPoker-v0 plays 3 rounds, whose text passes 1,000 tokens by the third
-# round with a small byte-level tokenizer; one round is ~650-800 tokens.
+# round with a small byte-level tokenizer; one round is ~610.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "KuhnPoker-v0-1round": ("textarena.envs.KuhnPoker.env:KuhnPokerEnv", {"max_rounds": 1}),
 }
@@ -187,13 +188,19 @@ def _library() -> Any:
         raise ValueError(
             "textarena is not installed on this server (the `envs` extra of opentinker)"
         ) from exc
+    _register_variants()
+    return textarena
+
+
+@functools.cache
+def _register_variants() -> None:
+    # Once per process: `_library()` runs for every game built or replayed.
     from textarena.envs.registration import ENV_REGISTRY, register  # type: ignore[import-untyped]
 
-    with _REGISTER_LOCK:
+    with _REGISTER_LOCK:  # the cache does not stop two first calls running at once
         for game, (entry_point, kwargs) in VARIANTS.items():
             if game not in ENV_REGISTRY:
                 register(id=game, entry_point=entry_point, **kwargs)
-    return textarena
 
 
 _REGISTER_LOCK = threading.Lock()
