@@ -5,7 +5,7 @@ service: the held-out game reward before and after the RL job.
     .venv/bin/python scripts/build_textarena_demos.py --game Nim-v0 --out var/nim-demos.jsonl
     .venv/bin/python bench/sft_then_rl.py --url URL --key KEY --rows var/nim-demos.jsonl \\
         [--game Nim-v0] [--sft-steps 40] [--rl-steps 30] [--prompts 8] [--group 8] \\
-        [--max-tokens 10] [--temperature 1.0] [--rl-lr 1e-3] [--sft-job ID]
+        [--max-tokens 10] [--temperature 1.0] [--rl-lr 1e-3] [--sft-job ID] [--algorithm JSON]
 
 Uploads the rows (`env: math`), runs an SFT job on them, then an RL job on the `textarena`
 game against its random opponent (`action_format: "boxed"`) whose `init.from_job` names the
@@ -16,6 +16,7 @@ steps and at the end. Only the thin client talks to the service.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,12 @@ def main() -> None:
     parser.add_argument("--rl-lr", type=float, default=1e-3)
     parser.add_argument("--temperature", type=float, default=1.0, help="of the RL rollouts")
     parser.add_argument("--sft-job", help="start RL from this finished SFT job (no upload, no SFT)")
+    parser.add_argument(
+        "--algorithm",
+        type=json.loads,
+        default={},
+        help='more of the RL job\'s algorithm section, e.g. \'{"loss_aggregation": "sequence_mean"}\'',
+    )
     args = parser.parse_args()
     from opentinker import Client
 
@@ -99,7 +106,7 @@ def main() -> None:
                 "max_turns": 16,
                 "temperature": args.temperature,
             },
-            "algorithm": {"advantage": "grpo", "normalize_std": True},
+            "algorithm": {"advantage": "grpo", "normalize_std": True, **args.algorithm},
             "lora": LORA,
             "optimizer": {"lr": args.rl_lr},
             "eval_every": 10,

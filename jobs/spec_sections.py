@@ -78,6 +78,14 @@ class AlgorithmSpec(Section):
             "Per-token KL penalty against the base model, folded into the advantage; 0 = off."
         ),
     )
+    loss_aggregation: Literal["token_sum", "sequence_mean"] = Field(
+        "token_sum",
+        description=(
+            "How the loss weighs its terms: 'token_sum' (every action token alike, so a long "
+            "episode outweighs a short one) or 'sequence_mean' (every episode alike: each "
+            "episode's action tokens share a weight of 1)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _options_fit_the_choice(self) -> AlgorithmSpec:

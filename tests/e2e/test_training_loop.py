@@ -154,7 +154,17 @@ def test_it_evaluates_greedily_on_held_out_rows_and_trains_sft_on_answers(
 @pytest.mark.parametrize(
     "env, extra",
     [
-        ("gomoku", {"algorithm": {"advantage": "grpo_per_step", "loss": "ppo", "kl_coef": 0.05}}),
+        (
+            "gomoku",
+            {
+                "algorithm": {
+                    "advantage": "grpo_per_step",
+                    "loss": "ppo",
+                    "kl_coef": 0.05,
+                    "loss_aggregation": "sequence_mean",
+                }
+            },
+        ),
         ("gomoku_selfplay", {"algorithm": {"advantage": "rloo", "loss": "cispo"}}),
         ("bandit", {"full_finetune": True, "algorithm": {"loss": "dro"}}),
     ],

@@ -45,6 +45,7 @@ def test_it_fills_in_training_defaults_and_round_trips_the_stored_form():
         ({"algorithm": {"advantage": "gae"}}, "algorithm.advantage"),
         ({"algorithm": {"loss": "reinforce"}}, "algorithm.loss"),
         ({"algorithm": {"kl_coef": -0.1}}, "algorithm.kl_coef"),
+        ({"algorithm": {"loss_aggregation": "token_mean"}}, "algorithm.loss_aggregation"),
         ({"algorithm": {"loss": "ppo", "dro_beta": 0.1}}, "algorithm.dro_beta"),
         ({"algorithm": {"clip_low": 0.5}}, "algorithm.clip_low"),
         ({"algorithm": {"advantage": "grpo_per_step"}}, "algorithm.advantage"),

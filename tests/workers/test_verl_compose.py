@@ -185,7 +185,7 @@ A = "actor_rollout_ref"
             "env": "math",
             "dataset": "builtin:arith_train",
             "runner": "verl",
-            "algorithm": {"loss": "cispo", "clip_high": 3.0},
+            "algorithm": {"loss": "cispo", "clip_high": 3.0, "loss_aggregation": "sequence_mean"},
         },
     ],
     ids=["rloo-ppo-lora", "multi-turn-dro-full", "cispo"],
@@ -201,6 +201,7 @@ def test_it_composes_with_verls_config(
         f"{A}.actor.rollout_n",
         "algorithm.adv_estimator",
         f"{A}.actor.policy_loss.loss_mode",
+        f"{A}.actor.loss_agg_mode",
     )
     out = _compose(verl_python, overrides, *keys)
     assert out["error"] is None, out["error"]
@@ -213,6 +214,8 @@ def test_it_composes_with_verls_config(
     assert values[f"{A}.rollout.prompt_length"] == 256
     assert values[f"{A}.rollout.n_gpus_per_node"] == 4
     assert values[f"{A}.actor.rollout_n"] == spec.rollout.group_size
+    aggregation = spec.algorithm.loss_aggregation
+    assert values[f"{A}.actor.loss_agg_mode"] == verl_config.LOSS_AGGREGATION[aggregation]
 
 
 def test_it_is_refused_by_verl_for_an_unknown_key(verl_python: Path, tmp_path: Path) -> None:

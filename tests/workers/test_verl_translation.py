@@ -59,6 +59,7 @@ def test_it_maps_a_grpo_lora_job(tmp_path: Path) -> None:
     assert o["algorithm.adv_estimator"] == "grpo"
     assert o["algorithm.norm_adv_by_std_in_grpo"] == "true"
     assert o[f"{A}.actor.policy_loss.loss_mode"] == "vanilla"
+    assert o[f"{A}.actor.loss_agg_mode"] == "token-mean"
     assert o[f"{A}.actor.use_kl_loss"] == "true" and o[f"{A}.actor.kl_loss_coef"] == "0.05"
     assert o[f"{A}.model.lora_rank"] == "8" and o[f"{A}.model.lora_alpha"] == "16"
     assert o[f"{A}.model.target_modules"] == "[q_proj,v_proj]"

@@ -105,6 +105,11 @@ def rl_batch(
             if all(v == 0.0 for v in values):
                 continue
             datum = rl.trajectory_to_datum(traj.to_engine(), adv)
+            if spec.algorithm.loss_aggregation == "sequence_mean":
+                # Every loss sums mask-weighted terms, so a mask summing to 1 per episode
+                # gives each episode one unit of weight whatever its length.
+                mask = datum.loss_fn_inputs["mask"]
+                datum.loss_fn_inputs["mask"] = mask / mask.sum().clamp(min=1.0)
             pictures = traj.images()
             if pictures:
                 if engine is None:
@@ -133,11 +138,13 @@ def apply_kl_penalty(engine: Engine, datums: list[Datum], kl_coef: float) -> flo
     )
     total, count = 0.0, 0.0
     for datum, base_lp in zip(datums, base, strict=True):
-        mask = datum.loss_fn_inputs["mask"]
-        kl = (datum.loss_fn_inputs["logprobs"] - torch.tensor(base_lp[1:])) * mask
+        # The mask may carry the loss aggregation's weights; the penalty is per action token
+        # and the loss applies those weights to it.
+        action = (datum.loss_fn_inputs["mask"] > 0).float()
+        kl = (datum.loss_fn_inputs["logprobs"] - torch.tensor(base_lp[1:])) * action
         datum.loss_fn_inputs["advantages"] = datum.loss_fn_inputs["advantages"] - kl_coef * kl
         total += float(kl.sum())
-        count += float(mask.sum())
+        count += float(action.sum())
     return total / count if count else 0.0
 
 

@@ -32,6 +32,9 @@ ADVANTAGE = {"grpo": "grpo", "rloo": "rloo", "grpo_per_step": "grpo"}
 # Our loss -> verl's actor.policy_loss.loss_mode. importance_sampling is verl's vanilla loss
 # run strictly on-policy (one PPO epoch over one mini-batch), where the clip never binds.
 LOSS_MODE = {"importance_sampling": "vanilla", "ppo": "vanilla", "cispo": "cispo", "dro": "dro"}
+# Our loss aggregation -> verl's actor.loss_agg_mode. verl averages where we sum; with Adam
+# the two differ only by the step's scale, the relative weight of the terms is the same.
+LOSS_AGGREGATION = {"token_sum": "token-mean", "sequence_mean": "seq-mean-token-mean"}
 # Multi-turn response budget: observations between actions (tool output, a board) are
 # counted in verl's fixed response width along with the actions.
 OBSERVATION_TOKENS_PER_TURN = 128
@@ -288,6 +291,7 @@ def build_overrides(
         f"{a}.actor.ppo_micro_batch_size_per_gpu": micro,
         f"{a}.actor.ppo_epochs": 1,
         f"{a}.actor.policy_loss.loss_mode": LOSS_MODE[alg.loss],
+        f"{a}.actor.loss_agg_mode": LOSS_AGGREGATION[alg.loss_aggregation],
         f"{a}.actor.use_kl_loss": alg.kl_coef > 0,
         f"{a}.actor.kl_loss_coef": alg.kl_coef,
         f"{a}.actor.kl_loss_type": "low_var_kl",
