@@ -5,7 +5,7 @@ service: the held-out game reward before and after the RL job.
     .venv/bin/python scripts/build_textarena_demos.py --game Nim-v0 --out var/nim-demos.jsonl
     .venv/bin/python bench/sft_then_rl.py --url URL --key KEY --rows var/nim-demos.jsonl \\
         [--game Nim-v0] [--sft-steps 40] [--rl-steps 30] [--prompts 8] [--group 8] \\
-        [--max-tokens 10] [--temperature 1.0] [--rl-lr 1e-3] [--sft-job ID] [--algorithm JSON]
+        [--max-tokens 10] [--temperature 1.0] [--top-p 1.0] [--rl-lr 1e-3] [--sft-job ID] [--algorithm JSON]
 
 Uploads the rows (`env: math`), runs an SFT job on them, then an RL job on the `textarena`
 game against its random opponent (`action_format: "boxed"`) whose `init.from_job` names the
@@ -71,6 +71,7 @@ def main() -> None:
     )
     parser.add_argument("--rl-lr", type=float, default=1e-3)
     parser.add_argument("--temperature", type=float, default=1.0, help="of the RL rollouts")
+    parser.add_argument("--top-p", type=float, default=1.0, help="of the RL rollouts")
     parser.add_argument("--sft-job", help="start RL from this finished SFT job (no upload, no SFT)")
     parser.add_argument(
         "--algorithm",
@@ -105,6 +106,7 @@ def main() -> None:
                 "max_tokens": args.max_tokens,
                 "max_turns": 16,
                 "temperature": args.temperature,
+                "top_p": args.top_p,
             },
             "algorithm": {"advantage": "grpo", "normalize_std": True, **args.algorithm},
             "lora": LORA,

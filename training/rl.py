@@ -19,7 +19,9 @@ from training.types import Datum, SampledSequence
 
 
 def _rewards(rewards: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor) -> torch.Tensor:
-    tensor = torch.as_tensor(rewards, dtype=torch.float32)
+    # float64: a float32 group mean of equal rewards is off by an ulp, and a std of zero
+    # then turns that ulp into a full-size advantage.
+    tensor = torch.as_tensor(rewards, dtype=torch.float64)
     if tensor.dim() not in (1, 2) or tensor.shape[-1] == 0:
         raise ValueError(
             f"rewards must have shape (G,) or (N, G) with G >= 1, got {tuple(tensor.shape)}"
@@ -36,11 +38,29 @@ def grpo(
 ) -> torch.Tensor:
     """Reward minus the group mean; optionally divided by the group's std (+ eps)."""
     r = _rewards(rewards)
-    advantages = r - r.mean(dim=-1, keepdim=True)
+    advantages = _centred(r, dim=-1)
     if normalize_std:
         # Population std (unbiased=False): a group of one gets std 0, not NaN.
         advantages = advantages / (r.std(dim=-1, keepdim=True, unbiased=False) + eps)
-    return advantages
+    return advantages.float()
+
+
+def _centred(r: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """r minus its mean (over `dim`, or all of it), exactly 0 where the rewards are equal.
+
+    Rewards that are equal but for rounding (-0.1 - 0.1 - 1.0 against -1.0 - 0.1 - 0.1) carry
+    no signal; left as they are, the std normalisation would scale their rounding up to an
+    advantage of one sign for the whole group, pushing every sampled token down.
+    """
+    if dim is None:
+        mean, top, bottom = r.mean(), r.max(), r.min()
+        scale = r.abs().max()
+    else:
+        mean = r.mean(dim=dim, keepdim=True)
+        top, bottom = r.amax(dim=dim, keepdim=True), r.amin(dim=dim, keepdim=True)
+        scale = r.abs().amax(dim=dim, keepdim=True)
+    equal = (top - bottom) <= 1e-9 * (1.0 + scale)
+    return torch.where(equal, torch.zeros_like(r), r - mean)
 
 
 def rloo(rewards: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor) -> torch.Tensor:
@@ -49,15 +69,15 @@ def rloo(rewards: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor) ->
     size = r.shape[-1]
     if size < 2:
         raise ValueError("rloo needs at least two samples per group")
-    others = (r.sum(dim=-1, keepdim=True) - r) / (size - 1)
-    return r - others
+    # r_i - mean(others) = G / (G - 1) * (r_i - mean(all)).
+    return (_centred(r, dim=-1) * size / (size - 1)).float()
 
 
 def baseline(
     rewards: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor, value: float = 0.0
 ) -> torch.Tensor:
     """Reward minus a fixed baseline (e.g. a running mean kept by the caller)."""
-    return _rewards(rewards) - float(value)
+    return (_rewards(rewards) - float(value)).float()
 
 
 def returns_to_go(rewards: Sequence[float], gamma: float = 1.0) -> list[float]:
@@ -87,12 +107,14 @@ def grpo_per_step(
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     returns = [returns_to_go(turns, gamma) for turns in turn_rewards]
-    flat = torch.tensor([g for traj in returns for g in traj], dtype=torch.float32)
+    flat = torch.tensor([g for traj in returns for g in traj], dtype=torch.float64)
     if not torch.isfinite(flat).all():
         raise ValueError("rewards must be finite")
-    mean = flat.mean().item()
-    scale = (flat.std(unbiased=False).item() + eps) if normalize_std else 1.0
-    return [[(g - mean) / scale for g in traj] for traj in returns]
+    centred = _centred(flat, dim=None)
+    if normalize_std:
+        centred = centred / (flat.std(unbiased=False) + eps)
+    values = iter(centred.tolist())
+    return [[next(values) for _ in traj] for traj in returns]
 
 
 @dataclass

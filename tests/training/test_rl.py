@@ -105,3 +105,19 @@ def test_it_rejects_inconsistent_trajectories():
         trajectory_to_datum(Trajectory([Turn([1], [2], [-1.0])]), [1.0, 2.0])
     with pytest.raises(ValueError, match="finite"):
         grpo([1.0, float("nan")])
+
+
+def test_rewards_equal_but_for_rounding_give_no_advantage():
+    # Two illegal moves and a forfeit summed in two orders: equal rewards, different floats.
+    a, b = sum([-0.1, -0.1, -1.0]), sum([-1.0, -0.1, -0.1])
+    assert a != b and a == pytest.approx(b)
+    group = [a, b, a, b, a, b, a, b]
+    # The float32 group mean of these is an ulp off; divided by a std of ~0 that ulp used to
+    # become an advantage of -0.11 on every episode of the group.
+    for normalize_std in (True, False):
+        assert grpo(group, normalize_std=normalize_std).tolist() == [0.0] * 8
+    assert rloo(group).tolist() == [0.0] * 8
+    assert grpo_per_step([[a], [b], [a]]) == [[0.0], [0.0], [0.0]]
+    # A real difference, small against the rewards' size, still counts.
+    small = grpo([-1.2, -1.2 + 1e-3], normalize_std=True)
+    assert small.tolist() == pytest.approx([-1.0, 1.0], abs=1e-2)
