@@ -38,29 +38,23 @@ def grpo(
 ) -> torch.Tensor:
     """Reward minus the group mean; optionally divided by the group's std (+ eps)."""
     r = _rewards(rewards)
-    advantages = _centred(r, dim=-1)
+    advantages = _centred(r)
     if normalize_std:
         # Population std (unbiased=False): a group of one gets std 0, not NaN.
         advantages = advantages / (r.std(dim=-1, keepdim=True, unbiased=False) + eps)
     return advantages.float()
 
 
-def _centred(r: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """r minus its mean (over `dim`, or all of it), exactly 0 where the rewards are equal.
+def _centred(r: torch.Tensor) -> torch.Tensor:
+    """r minus its mean along the last dimension, exactly 0 where the rewards are equal.
 
     Rewards that are equal but for rounding (-0.1 - 0.1 - 1.0 against -1.0 - 0.1 - 0.1) carry
     no signal; left as they are, the std normalisation would scale their rounding up to an
     advantage of one sign for the whole group, pushing every sampled token down.
     """
-    if dim is None:
-        mean, top, bottom = r.mean(), r.max(), r.min()
-        scale = r.abs().max()
-    else:
-        mean = r.mean(dim=dim, keepdim=True)
-        top, bottom = r.amax(dim=dim, keepdim=True), r.amin(dim=dim, keepdim=True)
-        scale = r.abs().amax(dim=dim, keepdim=True)
-    equal = (top - bottom) <= 1e-9 * (1.0 + scale)
-    return torch.where(equal, torch.zeros_like(r), r - mean)
+    spread = r.amax(dim=-1, keepdim=True) - r.amin(dim=-1, keepdim=True)
+    equal = spread <= 1e-9 * (1.0 + r.abs().amax(dim=-1, keepdim=True))
+    return torch.where(equal, torch.zeros_like(r), r - r.mean(dim=-1, keepdim=True))
 
 
 def rloo(rewards: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor) -> torch.Tensor:
@@ -70,7 +64,7 @@ def rloo(rewards: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor) ->
     if size < 2:
         raise ValueError("rloo needs at least two samples per group")
     # r_i - mean(others) = G / (G - 1) * (r_i - mean(all)).
-    return (_centred(r, dim=-1) * size / (size - 1)).float()
+    return (_centred(r) * size / (size - 1)).float()
 
 
 def baseline(
@@ -110,7 +104,7 @@ def grpo_per_step(
     flat = torch.tensor([g for traj in returns for g in traj], dtype=torch.float64)
     if not torch.isfinite(flat).all():
         raise ValueError("rewards must be finite")
-    centred = _centred(flat, dim=None)
+    centred = _centred(flat)
     if normalize_std:
         centred = centred / (flat.std(unbiased=False) + eps)
     values = iter(centred.tolist())

@@ -18,7 +18,6 @@ from workers.runners.data_processing import apply_kl_penalty, rl_batch
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    torch.manual_seed(0)
     model, tokenizer = load_base(device="cpu")
     return Engine(model, tokenizer=tokenizer)
 
