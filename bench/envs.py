@@ -12,6 +12,7 @@ one task round trip per turn of a group.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -26,11 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def scripted(env: str):
+def scripted(env: str, row: dict | None = None):
     from environments.rollouts import PolicyInput
 
     def policy(inp: PolicyInput) -> str:
         text = inp.messages[-1]["content"]
+        if env == "textworld":
+            # The game's own walkthrough, one command a turn: it wins the game.
+            assert row is not None
+            return row["walkthrough"][sum(m["role"] == "assistant" for m in inp.messages)]
         if env == "reasoning_gym":
             # chain_sum: "... arithmetic problem: 42 - 25 =" -> the right answer, boxed.
             terms = re.findall(r"-?\d+|[+-]", text.split(":")[-1].split("=")[0])
@@ -109,10 +114,17 @@ def main() -> None:
     django.setup()
     from django.conf import settings
 
+    from environments.envs.textworld_env import games_root
     from environments.registry import build_group, group_specs
     from environments.remote import run_group_remote
     from environments.rollouts import run_group
 
+    pool = games_root()
+    if not (pool / "train.jsonl").exists():
+        # Offline and cached: compiled once per machine.
+        script = ROOT / "scripts" / "build_textworld_games.py"
+        subprocess.run([sys.executable, str(script), "--out", str(pool)], check=True)
+    games = [json.loads(line) for line in (pool / "train.jsonl").read_text().splitlines()]
     proc, _ = start_worker(str(settings.REDIS_URL))
     rows = [{"question": "What is 20+22?", "answer": "42"}]
     plan = {
@@ -125,6 +137,8 @@ def main() -> None:
         "textarena": max(1, args.groups // 4),
         # One JVM per live episode (~1.5 s to start): one group is enough to see the cost.
         "scienceworld": max(1, args.groups // 20),
+        # Each game's walkthrough (5-20 commands) through TextWorld's Z-machine interpreter.
+        "textworld": max(1, args.groups // 5),
     }
     configs = {
         "reasoning_gym": {
@@ -134,7 +148,9 @@ def main() -> None:
         },
         "textarena": {"game": "TicTacToe-v0", "opponent": "random"},
         "scienceworld": {"task": "find-living-thing", "max_turns": 4},
+        "textworld": {"max_turns": 32},
     }
+    env_rows = {"math": rows, "math_code": rows, "textworld": games}
     print(
         f"{'env':<14} {'episodes':>8} {'inline ep/s':>12} {'queue ep/s':>11} "
         f"{'queue/inline time':>18}"
@@ -144,18 +160,18 @@ def main() -> None:
             specs = group_specs(
                 env,
                 config=configs.get(env),
-                rows=rows if env.startswith("math") else None,
+                rows=env_rows.get(env),
                 n_groups=n_groups,
                 group_size=args.group_size,
                 seed=1,
             )
-            policy = scripted(env)
-            run_group_remote(policy, specs[0])  # warm-up: imports and connections
+            policies = [scripted(env, s.get("row")) for s in specs]
+            run_group_remote(policies[0], specs[0])  # warm-up: imports and connections
             t0 = time.perf_counter()
-            inline = [run_group(policy, build_group(s)) for s in specs]
+            inline = [run_group(p, build_group(s)) for p, s in zip(policies, specs)]
             t_inline = time.perf_counter() - t0
             t0 = time.perf_counter()
-            remote = [run_group_remote(policy, s) for s in specs]
+            remote = [run_group_remote(p, s) for p, s in zip(policies, specs)]
             t_remote = time.perf_counter() - t0
             n = sum(len(g) for g in inline)
             same = all(

@@ -4,11 +4,13 @@ service: the held-out game reward before and after the RL job.
     .venv/bin/python manage.py demo --smoke --steps 1 --keep-serving   # prints URL and key
     .venv/bin/python scripts/build_textarena_demos.py --game Nim-v0 --out var/nim-demos.jsonl
     .venv/bin/python bench/sft_then_rl.py --url URL --key KEY --rows var/nim-demos.jsonl \\
-        [--game Nim-v0] [--sft-steps 40] [--rl-steps 30] [--prompts 8] [--group 8] \\
-        [--max-tokens 10] [--temperature 1.0] [--top-p 1.0] [--rl-lr 1e-3] [--sft-job ID] [--algorithm JSON]
+        [--game Nim-v0] [--sft-steps 40] [--sft-lr 1e-3] [--rl-steps 30] [--prompts 8] [--group 8] \\
+        [--max-tokens 10] [--temperature 1.0] [--top-p 1.0] [--rl-lr 1e-3] [--sft-job ID] [--seed 1] [--algorithm JSON] \\
+        [--action-format boxed|text] [--no-rules]
 
 Uploads the rows (`env: math`), runs an SFT job on them, then an RL job on the `textarena`
-game against its random opponent (`action_format: "boxed"`) whose `init.from_job` names the
+game against its random opponent (`action_format` "boxed", or "text" for rows built with
+`--action-format text`) whose `init.from_job` names the
 SFT job, with greedy evaluation on 100 held-out games at step 0 (the SFT policy), every 10
 steps and at the end. Only the thin client talks to the service.
 """
@@ -48,7 +50,7 @@ def _sft(client: Any, args: argparse.Namespace, started: float) -> Any:
             "batch_size": 32,
             "seed": 1,
             "lora": LORA,
-            "optimizer": {"lr": 1e-3},
+            "optimizer": {"lr": args.sft_lr},
             "checkpoint_every": 0,
         },
         name="demos-sft",
@@ -69,6 +71,19 @@ def main() -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=10, help="of a move (\\boxed{...} whole: 16 for words)"
     )
+    parser.add_argument(
+        "--action-format",
+        choices=("boxed", "text"),
+        default="boxed",
+        help="of the RL job; the rows' (scripts/build_textarena_demos.py) must match",
+    )
+    parser.add_argument(
+        "--no-rules",
+        action="store_true",
+        help="the env's `rules: false`; the rows must be built with --no-rules too",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="of the RL job")
+    parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--rl-lr", type=float, default=1e-3)
     parser.add_argument("--temperature", type=float, default=1.0, help="of the RL rollouts")
     parser.add_argument("--top-p", type=float, default=1.0, help="of the RL rollouts")
@@ -94,12 +109,13 @@ def main() -> None:
             "env": "textarena",
             "env_config": {
                 "game": args.game,
-                "action_format": "boxed",
+                "action_format": args.action_format,
+                "rules": not args.no_rules,
                 "max_tokens": args.max_tokens,
             },
             "init": {"from_job": str(sft.id)},
             "steps": args.rl_steps,
-            "seed": 1,
+            "seed": args.seed,
             "rollout": {
                 "group_size": args.group,
                 "prompts_per_step": args.prompts,

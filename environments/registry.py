@@ -288,6 +288,13 @@ def _register_builtins() -> None:
                 check=_context_problem,
                 required=False,
             ),
+            Column(
+                "completion",
+                (str,),
+                description="SFT only: the assistant reply taught verbatim (default: the answer "
+                "in \\boxed{})",
+                required=False,
+            ),
         )
     )
 

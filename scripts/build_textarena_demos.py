@@ -1,7 +1,7 @@
 """Demonstrations of a two-player TextArena game as an SFT dataset for the `math` env.
 
     .venv/bin/python scripts/build_textarena_demos.py --game Nim-v0 [--games 400] [--seed 0]
-        [--model-seat 0] --out var/nim-demos.jsonl
+        [--model-seat 0] [--action-format boxed|text] [--no-rules] --out var/nim-demos.jsonl
 
 Plays games of the `textarena` env against its random legal-move opponent, the model's seat
 also playing random legal moves, and writes one row per model turn: `question` is the
@@ -11,8 +11,12 @@ moves, as an RL rollout holds them), `answer` the move without its brackets. An 
 these rows with `env: math` (its default config shows the context, then the question as the
 user message) teaches a base model the game's move format in the game's own conversation;
 `action_format: "boxed"` in the textarena job's `env_config` then reads the SFT job's
-`\\boxed{0 3}` as the move `[0 3]`. The moves are legal and random: what RL then learns about
-playing well is its own.
+`\\boxed{0 3}` as the move `[0 3]`. With `--action-format text` each row also carries a
+`completion`, the move exactly as the game asks for it (`[check]`): SFT teaches that reply of
+a few tokens, and the RL job's `action_format: "text"` plays it as given. `--no-rules`
+builds the observations without the game's rules (the env's `rules: false`, which the RL job
+then sets too). The moves are legal
+and random: what RL then learns about playing well is its own.
 
 Seeds: game i uses seed `--seed + i`; a job's evaluation plays seeds from 1,000,000,007
 (workers.runners.evaluation), which these games never reach.
@@ -35,6 +39,10 @@ def main() -> None:
     parser.add_argument("--games", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-seat", type=int, default=0)
+    parser.add_argument("--action-format", choices=("boxed", "text"), default="boxed")
+    parser.add_argument(
+        "--no-rules", action="store_true", help="observations without the game's rules"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.games < 1:
@@ -42,7 +50,14 @@ def main() -> None:
     from environments.envs.textarena_env import demonstration_rows
 
     try:
-        rows = demonstration_rows(args.game, args.games, args.seed, args.model_seat)
+        rows = demonstration_rows(
+            args.game,
+            args.games,
+            args.seed,
+            args.model_seat,
+            args.action_format,
+            rules=not args.no_rules,
+        )
     except ValueError as exc:
         raise SystemExit(f"--game: {exc}") from None
     args.out.parent.mkdir(parents=True, exist_ok=True)

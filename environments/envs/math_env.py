@@ -5,7 +5,9 @@ Reward: 1.0 when the last `\\boxed{}` (or, failing that, the last number) equals
 
 A row may carry `context`: a conversation shown before the question (user and assistant turns,
 e.g. worked examples, or the earlier turns of a game for SFT on a multi-turn env's
-demonstrations); it is prompt only, never trained on.
+demonstrations); it is prompt only, never trained on. A row may also carry `completion`: the
+assistant reply an SFT job teaches verbatim, where the default is the answer boxed (a game's
+move written as the game itself asks for it, `[check]`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ class MathGroupBuilder(GroupBuilder):
             MathEpisode(self.question, self.answer, self.config, self.context)
             for _ in range(self.group_size)
         ]
+
+
+def sft_completion(row: dict[str, object]) -> str:
+    """The assistant reply an SFT job teaches for a row: its own `completion`, else the answer
+    as this env grades it, boxed."""
+    completion = row.get("completion")
+    if isinstance(completion, str):
+        return completion
+    return f"\\boxed{{{row['answer']}}}"
 
 
 def row_context(value: object) -> tuple[Message, ...]:

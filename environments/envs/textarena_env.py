@@ -132,6 +132,11 @@ class TextArenaConfig:
     when it holds no brackets) or "boxed" (the content of the reply's last \\boxed{...},
     bracketed: "\\boxed{4}" plays "[4]"; the answer format of this project's other envs and
     of SFT targets; a reply without one falls back to "text")."""
+    rules: bool = True
+    """False leaves the game's own prompt (its rules and move syntax, ~1,000 characters)
+    out of the first observation: the board, the game's messages and the moves it accepts
+    stay. For models whose context or pre-training cannot hold the rules, which then learn
+    the game from demonstrations and rewards."""
 
     @field_validator("game")
     @classmethod
@@ -299,8 +304,9 @@ class LiveGame:
         self._call(lambda: trial.step(action=action), keep=False)
         return not _refused(state, mover, before)
 
-    def take_messages(self, seat: int) -> str:
-        """What `seat` has not seen yet, as text, minus the echo of its own actions."""
+    def take_messages(self, seat: int, rules: bool = True) -> str:
+        """What `seat` has not seen yet, as text, minus the echo of its own actions (and the
+        game's prompt when not `rules`)."""
         ta = _library()
         queue = self.env.state.observations[seat]
         messages, queue[:] = list(queue), []
@@ -308,6 +314,8 @@ class LiveGame:
         lines = []
         for sender, text, kind in messages:
             if sender == seat and kind is ta.ObservationType.PLAYER_ACTION:
+                continue
+            if not rules and kind is ta.ObservationType.PROMPT:
                 continue
             name = "GAME" if sender == ta.GAME_ID else roles.get(sender, f"Player {sender}")
             lines.append(f"[{name}] {str(text).strip()}")
@@ -410,7 +418,7 @@ class TextArenaEpisode(Episode):
     def _initial(self) -> tuple[list[Message], StopCondition]:
         live = self._game()
         self._opponent_turns(live)
-        text = live.take_messages(self.seat)
+        text = live.take_messages(self.seat, self.config.rules)
         self._delivered = True
         return [{"role": "user", "content": text}], StopCondition(max_tokens=self.config.max_tokens)
 
@@ -461,18 +469,32 @@ class TextArenaEpisode(Episode):
         self._live = None
 
 
-def demonstration_rows(game: str, games: int, seed: int, model_seat: int) -> list[dict[str, Any]]:
+def demonstration_rows(
+    game: str,
+    games: int,
+    seed: int,
+    model_seat: int,
+    action_format: str = "boxed",
+    rules: bool = True,
+) -> list[dict[str, Any]]:
     """SFT rows for the `math` env from `games` games of a two-player `game` against the
     random opponent, the model's seat playing random legal moves too: per model turn, the
     observation exactly as this env shows it (`question`), the game's earlier turns as the
     rollout holds them (`context`, from the second turn on) and the move unbracketed
-    (`answer`, which SFT writes as `\\boxed{...}`: what `action_format: "boxed"` plays).
+    (`answer`). With `action_format` "boxed" SFT writes the answer as `\\boxed{...}` (what
+    that format plays); with "text" each row's `completion` is the move as the game asks for
+    it (`[check]`), a reply of a few tokens that the "text" format plays as given. `rules`:
+    the env's option of that name, which the RL job must match.
     scripts/build_textarena_demos.py writes them."""
-    rules = GAMES.get(game)
-    if rules is None or rules.moves is None:
-        two_player = sorted(g for g, info in GAMES.items() if info.moves is not None)
+    info = GAMES.get(game)
+    if info is None or info.moves is None:
+        two_player = sorted(g for g, i in GAMES.items() if i.moves is not None)
         raise ValueError(f"one of the two-player games {', '.join(two_player)}")
-    config = TextArenaConfig(game=game, model_seat=model_seat, action_format="boxed")
+    if action_format not in ("boxed", "text"):
+        raise ValueError('action_format: "boxed" or "text"')
+    config = TextArenaConfig(
+        game=game, model_seat=model_seat, action_format=action_format, rules=rules
+    )
     rows: list[dict[str, Any]] = []
     for i in range(games):
         rng = random.Random(f"demo-{game}-{seed + i}")
@@ -482,15 +504,18 @@ def demonstration_rows(game: str, games: int, seed: int, model_seat: int) -> lis
         observation = messages[-1]["content"]
         while True:
             live = episode._game()
-            candidates = rules.moves(live.state.game_state)
+            candidates = info.moves(live.state.game_state)
             rng.shuffle(candidates)
             move = next((m for m in candidates if live.accepts(m)), candidates[0])
             answer = move[1:-1]
             row: dict[str, Any] = {"question": observation, "answer": answer}
+            if action_format == "text":
+                row["completion"] = reply = move
+            else:
+                reply = f"\\boxed{{{answer}}}"
             if history:
                 row["context"] = list(history)
             rows.append(row)
-            reply = f"\\boxed{{{answer}}}"
             result = episode.step(reply)
             if result.done:
                 break

@@ -73,9 +73,9 @@ class TextArenaCoordinator:
             self._cond.notify_all()
             return refused
 
-    def take_messages(self, seat: int) -> str:
+    def take_messages(self, seat: int, rules: bool = True) -> str:
         with self._cond:
-            return self.live.take_messages(seat)
+            return self.live.take_messages(seat, rules)
 
     def abandon(self, reason: str) -> None:
         with self._cond:
@@ -99,7 +99,7 @@ class TextArenaSelfPlayEpisode(Episode):
 
     def _initial(self) -> tuple[list[Message], StopCondition]:
         self.game.wait_for_turn(self.seat)
-        text = self.game.take_messages(self.seat)
+        text = self.game.take_messages(self.seat, self.config.rules)
         return [{"role": "user", "content": text}], StopCondition(max_tokens=self.config.max_tokens)
 
     def _outcome(self, extra: float = 0.0, refused: bool = False) -> StepResult:

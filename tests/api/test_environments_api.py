@@ -22,10 +22,10 @@ def test_it_lists_every_registered_environment_with_its_cell(owner_client):
 def test_it_names_the_dataset_columns_a_dataset_environment_needs(owner_client):
     math = owner_client.get(f"{URL}/math").json()
     columns = {c["name"]: c for c in math["dataset_columns"]}
-    assert set(columns) == {"question", "answer", "context"}
+    assert set(columns) == {"question", "answer", "context", "completion"}
     assert columns["question"]["type"] == "str"
     assert columns["answer"]["type"] == "str or number"
-    assert [c["required"] for c in columns.values()] == [True, True, False]
+    assert [c["required"] for c in columns.values()] == [True, True, False, False]
 
 
 def test_it_gives_the_config_schema_with_defaults_and_field_docs(owner_client):

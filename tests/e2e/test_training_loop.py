@@ -144,11 +144,14 @@ def test_it_evaluates_greedily_on_held_out_rows_and_trains_sft_on_answers(
     loop = TrainingLoop(ctx, spec, engine, rows=addition_rows(4), eval_rows=[], policy_id="probe")
     try:
         datum = loop.sft_datum({"question": "What is 12+30?", "answer": "42"})
+        # A row's own completion is taught verbatim instead.
+        move = loop.sft_datum({"question": "Your move?", "answer": "bet", "completion": "[bet]"})
     finally:
         loop.close()
-    weights = datum.loss_fn_inputs["weights"]
-    targets = datum.loss_fn_inputs["target_tokens"][weights > 0].tolist()
-    assert engine.tokenizer.decode(targets) == "\\boxed{42}<|im_end|>"
+    for taught, text in ((datum, "\\boxed{42}<|im_end|>"), (move, "[bet]<|im_end|>")):
+        weights = taught.loss_fn_inputs["weights"]
+        targets = taught.loss_fn_inputs["target_tokens"][weights > 0].tolist()
+        assert engine.tokenizer.decode(targets) == text
 
 
 @pytest.mark.parametrize(

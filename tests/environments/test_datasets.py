@@ -100,6 +100,22 @@ def test_it_checks_the_optional_context_column_only_where_a_row_has_one(tmp_path
     assert [r.get("context") for r in load_rows(path, "math")] == [None, turns, None]
 
 
+def test_an_sft_completion_is_optional_text(tmp_path: Path) -> None:
+    lines = [
+        {"question": "Your move?", "answer": "bet", "completion": "[bet]"},
+        {"question": "Your move?", "answer": "bet", "completion": " "},
+        {"question": "Your move?", "answer": "bet", "completion": ["[bet]"]},
+    ]
+    path = tmp_path / "completion.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines))
+    with pytest.raises(DatasetValidationError) as err:
+        load_rows(path, "math")
+    assert [(e["row"], e["column"], e["reason"]) for e in err.value.as_list()] == [
+        (2, "completion", "empty"),
+        (3, "completion", "expected str, got list"),
+    ]
+
+
 def test_it_caps_the_number_of_reported_errors(tmp_path: Path) -> None:
     path = tmp_path / "many.jsonl"
     path.write_text("".join(json.dumps({"question": "q"}) + "\n" for _ in range(100)))

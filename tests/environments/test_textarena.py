@@ -171,6 +171,27 @@ def test_the_demonstration_rows_are_the_envs_own_observations_and_legal_moves() 
         conversation += [{"role": "assistant", "content": reply}, *result.next_messages]
 
 
+def test_text_format_demonstrations_teach_the_move_as_the_game_asks_for_it() -> None:
+    rows = textarena_env.demonstration_rows(
+        "KuhnPoker-v0-1round", games=4, seed=3, model_seat=0, action_format="text"
+    )
+    with pytest.raises(ValueError, match="action_format"):
+        textarena_env.demonstration_rows("Nim-v0", games=1, seed=0, model_seat=0, action_format="x")
+    config = textarena_env.TextArenaConfig(game="KuhnPoker-v0-1round", action_format="text")
+    replay = TextArenaEpisode(config, 3)
+    conversation = replay.initial_observation()[0]
+    for row in rows:
+        assert row["completion"] == f"[{row['answer']}]"
+        assert [*row.get("context", []), {"role": "user", "content": row["question"]}] == (
+            conversation
+        )
+        result = replay.step(row["completion"])
+        assert result.error is None
+        if result.done:
+            break
+        conversation += [{"role": "assistant", "content": row["completion"]}, *result.next_messages]
+
+
 @pytest.mark.parametrize("game", ["TicTacToe-v0", "KuhnPoker-v0"])
 def test_it_plays_legal_moves_against_the_random_opponent(game: str) -> None:
     outcomes = set()
@@ -220,6 +241,29 @@ def test_it_sends_only_what_is_new_each_turn() -> None:
     assert "[Player 0]" not in second  # the model's own move is in its context already
     assert "[Player 1]" in second and second.count("Current Board") == 2
     assert len(second) < len(first) + 400
+
+
+def test_without_the_rules_the_first_observation_is_the_game_itself() -> None:
+    (full,) = run_group(first_listed, _group("TicTacToe-v0", model_seat=0))
+    (bare,) = run_group(first_listed, _group("TicTacToe-v0", model_seat=0, rules=False))
+    with_rules = full.turns[0].observation_messages[0]["content"]
+    without = bare.turns[0].observation_messages[0]["content"]
+    assert "You are Player 0 in Tic Tac Toe" in with_rules
+    assert "You are Player 0" not in without and "Current Board" in without
+    assert with_rules.endswith(without) and len(without) < len(with_rules) - 200
+    # The same game from there on: the same moves, replies and reward.
+    assert [t.action_text for t in bare.turns] == [t.action_text for t in full.turns]
+    later = [[m["content"] for m in t.observation_messages] for t in bare.turns[1:]]
+    assert later == [[m["content"] for m in t.observation_messages] for t in full.turns[1:]]
+    assert bare.total_reward == full.total_reward
+    selfplay = run_group(
+        first_listed, _group("TicTacToe-v0", group_size=2, opponent="selfplay", rules=False)
+    )
+    assert all(
+        "You are Player" not in t.turns[0].observation_messages[0]["content"] for t in selfplay
+    )
+    rows = textarena_env.demonstration_rows("Nim-v0", games=1, seed=0, model_seat=0, rules=False)
+    assert "You are Player" not in rows[0]["question"]
 
 
 def test_it_plays_both_seats_in_self_play_with_each_seats_reward() -> None:
@@ -404,6 +448,7 @@ def test_it_keeps_each_games_randomness_to_itself() -> None:
         ({"move_timeout_s": 0}, "env_config.move_timeout_s", "greater than 0"),
         ({"players": 3}, "env_config.players", "unknown setting"),
         ({"action_format": "json"}, "env_config.action_format", "'text' or 'boxed'"),
+        ({"rules": "some"}, "env_config.rules", "boolean"),
     ],
 )
 def test_it_names_the_setting_of_a_bad_config(

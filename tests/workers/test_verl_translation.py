@@ -233,6 +233,8 @@ def test_it_writes_sft_examples_as_verl_messages_with_the_graded_answer(tmp_path
         }
     )
     rows = _rows(20)
+    # A row's own completion is the assistant turn verbatim.
+    rows[0]["completion"] = f"It is \\boxed{{{rows[0]['answer']}}}."
     data = verl_config.write_sft_datasets(spec, tmp_path / "data", rows=rows, eval_rows=rows[:4])
     assert (data.train_rows, data.val_rows) == (20, 4)
     records = pq.read_table(data.train).to_pylist()
@@ -243,7 +245,7 @@ def test_it_writes_sft_examples_as_verl_messages_with_the_graded_answer(tmp_path
         assert prompt[-1]["role"] == "user" and answer["role"] == "assistant"
         (row,) = [r for q, r in by_question.items() if q in prompt[-1]["content"]]
         seen.add(row["question"])
-        assert answer["content"] == f"\\boxed{{{row['answer']}}}"
+        assert answer["content"] == row.get("completion", f"\\boxed{{{row['answer']}}}")
         # The assistant turn is what the env itself grades correct.
         (episode,) = build_group(
             {"env": "math", "config": {}, "row": row, "seed": 0, "group_size": 1}

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from environments.envs.math_env import sft_completion
 from environments.registry import build_group
 from environments.renderer import Renderer
 from environments.types import Trajectory
@@ -155,7 +156,7 @@ def sft_datum(
     row: dict[str, Any],
     engine: Engine | None = None,
 ) -> Datum:
-    """The env's own first observation, then the answer as the env grades it, boxed."""
+    """The env's own first observation, then the reply the row teaches (`sft_completion`)."""
     builder = build_group(
         {"env": env_name, "config": dict(env_config), "row": row, "seed": 0, "group_size": 1}
     )
@@ -165,7 +166,7 @@ def sft_datum(
     finally:
         episode.close()
     prompt = renderer.prompt_tokens(messages)
-    answer = renderer.encode(f"\\boxed{{{row['answer']}}}" + renderer.turn_end_text.strip())
+    answer = renderer.encode(sft_completion(row) + renderer.turn_end_text.strip())
     tokens = prompt + answer
     # weights[j] belongs to target token j + 1: only answer tokens carry loss.
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)

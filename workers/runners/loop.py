@@ -440,7 +440,7 @@ class TrainingLoop:
         return metrics
 
     def sft_datum(self, row: dict[str, Any]) -> Datum:
-        """The env's own first observation, then the answer as the env grades it, boxed."""
+        """The env's own first observation, then the reply the row teaches."""
         return sft_datum(self.renderer, self.env.name, self.spec.env_config, row, self.engine)
 
     def sft_step(self) -> dict[str, float]:

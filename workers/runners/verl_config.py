@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from environments.envs.math_env import sft_completion
 from environments.registry import build_group, get_env, group_specs
 from environments.types import Interaction
 from jobs.spec import JobSpec
@@ -139,12 +140,6 @@ def write_datasets(
     return DataFiles(paths[0], paths[1], len(train), len(val), longest)
 
 
-def sft_answer(row: dict[str, Any]) -> str:
-    """The assistant turn an SFT example teaches: the answer as the env grades it, boxed
-    (the native runner's ``sft_datum`` teaches the same text)."""
-    return f"\\boxed{{{row['answer']}}}"
-
-
 def write_sft_datasets(
     spec: JobSpec,
     out_dir: Path,
@@ -174,7 +169,7 @@ def write_sft_datasets(
             finally:
                 episode.close()
             chat = [{"role": m["role"], "content": m["content"]} for m in messages]
-            chat.append({"role": "assistant", "content": sft_answer(gs["row"])})
+            chat.append({"role": "assistant", "content": sft_completion(gs["row"])})
             records.append({"messages": chat})
             if tokenizer is not None:
                 longest = max(longest, _chat_tokens(tokenizer, chat))
