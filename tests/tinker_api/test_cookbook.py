@@ -8,6 +8,8 @@ real Celery worker, real model worker on the tiny base model).
 - The minimal recipes ``recipes/sl_loop.py`` and ``recipes/rl_loop.py`` run from their installed
   source with only the lines that name a hub dataset or look the renderer up in the model
   registry swapped (``RECIPE_EDITS`` below lists every edit), and both learn.
+- ``recipes/multiplayer_rl/text_arena`` through its own ``build_config``: TicTacToe self-play
+  training and evaluation against the base model.
 
 The tiny model's chat template is ChatML without a system turn: the cookbook's
 ``qwen3_instruct`` renderer produces exactly its tokens (checked below). The SDK's tokenizer
@@ -406,3 +408,43 @@ def test_it_runs_the_rl_loop_recipe_with_stable_reinforce_and_the_reward_rises(
     # One group of 16 a step is a noisy estimate: compare the mean of the first two steps with
     # that of the last three (at 4e-3 the policy sometimes overshot and fell back for a step).
     assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.3, rewards
+
+
+def test_it_runs_the_text_arena_recipe_in_self_play_and_evaluates_against_the_base_model(
+    server: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """recipes/multiplayer_rl/text_arena as its own ``build_config`` makes it: TicTacToe
+    self-play batches for training, games against the base model (sampled through the
+    server) for evaluation; only the sizes are the test's."""
+    _tiny_model_or_skip(base_model_dir)
+    pytest.importorskip("textarena")
+    from tinker_cookbook.recipes.multiplayer_rl.text_arena import train as text_arena
+
+    from jobs.models import BaseModel
+
+    # TicTacToe's first observation is ~660 tokens: the tiny model's own context (1,024
+    # positions), not the 512 the other tests of this module give it.
+    BaseModel.objects.filter(name=BASE_NAME).update(max_context=1024)
+
+    log_path = tmp_path / "text_arena"
+    cli = text_arena.CLIConfig(
+        model_name=BASE_NAME,
+        renderer_name=RENDERER,
+        batch_size=4,
+        num_train_datapoints=8,
+        num_test_datapoints=2,
+        max_tokens=16,
+        eval_every=1,
+        save_every=2,
+        log_path=str(log_path),
+        max_steps=2,
+    )
+    asyncio.run(rl_train.main(text_arena.build_config(cli)))
+    metrics = _metrics(log_path)
+    steps = [m for m in metrics if "env/all/reward/total" in m]
+    assert [m["step"] for m in steps] == [0, 1], metrics
+    for m in steps:
+        assert math.isfinite(m["env/all/reward/total"]), m
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m
+    evaluated = [m for m in metrics if any(k.startswith("test/") for k in m)]
+    assert evaluated, metrics
