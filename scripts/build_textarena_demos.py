@@ -15,8 +15,8 @@ user message) teaches a base model the game's move format in the game's own conv
 `completion`, the move exactly as the game asks for it (`[check]`): SFT teaches that reply of
 a few tokens, and the RL job's `action_format: "text"` plays it as given. `--no-rules`
 builds the observations without the game's rules (the env's `rules: false`, which the RL job
-then sets too). The moves are legal
-and random: what RL then learns about playing well is its own.
+then sets too). The moves are legal and random: what RL then learns about playing well is
+its own.
 
 Seeds: game i uses seed `--seed + i`; a job's evaluation plays seeds from 1,000,000,007
 (workers.runners.evaluation), which these games never reach.

@@ -490,8 +490,6 @@ def demonstration_rows(
     if info is None or info.moves is None:
         two_player = sorted(g for g, i in GAMES.items() if i.moves is not None)
         raise ValueError(f"one of the two-player games {', '.join(two_player)}")
-    if action_format not in ("boxed", "text"):
-        raise ValueError('action_format: "boxed" or "text"')
     config = TextArenaConfig(
         game=game, model_seat=model_seat, action_format=action_format, rules=rules
     )
