@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from training.decoder import decoder_for
+from training.decoder import compaction_order, decoder_for
 from training.penalties import Penalties
 from training.sampler import _choose_tokens, _row_generator, _Uniforms, default_stop_ids
 from training.types import SamplingParams
@@ -201,7 +201,7 @@ class ContinuousBatch:
         """Remove these rows now (their clients are gone)."""
         keep = [b for b, row in enumerate(self.rows) if row.ident not in idents]
         if len(keep) < len(self.rows):
-            self._keep(keep)
+            self._keep(compaction_order(len(self.rows), keep))
 
     def _keep(self, keep: list[int]) -> None:
         if not keep:
@@ -260,8 +260,10 @@ class ContinuousBatch:
             self._reset()
             return out
         if len(keep) < len(self.rows):
-            tokens_B = tokens_B.index_select(0, torch.tensor(keep, device=self.device))
-            self._keep(keep)
+            # The rows that stay keep their places but for a few from the end (no cache copy).
+            order = compaction_order(len(self.rows), keep)
+            tokens_B = tokens_B.index_select(0, torch.tensor(order, device=self.device))
+            self._keep(order)
         keys = [row.key for row in self.rows]
         self.logits_B_V = self.decoder.step(tokens_B, self.next_pos_B, keys, self.state).float()
         self.next_pos_B = self.next_pos_B + 1

@@ -436,7 +436,11 @@ class LoRAHost:
                 groups.append(_Group(key, tensor, span))
         stacked = None
         if len(rows_by_key) >= max(2, self.stack_min_adapters):
-            stacked = self._stack(rows_by_key, len(keys), device)
+            # Adapters in a canonical order: the stacked weights are kept per combination
+            # (`_RouteState.stack_cache`), and a continuous batch whose rows come and go
+            # meets the same combination in many orders.
+            ordered = {key: rows_by_key[key] for key in sorted(rows_by_key)}
+            stacked = self._stack(ordered, len(keys), device)
         with self.replay_route((tuple(groups), len(keys), stacked)):
             yield
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from training.continuous import ContinuousBatch, Row
+from training.decoder import TRIM_MIN_COLUMNS
 from training.engine import Engine
 from training.sampler import generate
 from training.types import SamplingParams
@@ -161,3 +162,94 @@ def test_penalised_rows_joining_mid_decode_get_what_they_get_alone(tiny_model, t
         assert got[ident] == _alone(tiny_model, tiny_tokenizer, row), ident
     with pytest.raises(ValueError, match="logit_bias"):
         batch.check(Row([1, 2], SamplingParams(logit_bias={10**7: 1.0})))
+
+
+def test_a_batch_that_rows_keep_joining_and_leaving_keeps_a_cache_as_long_as_its_rows(
+    tiny_model, tiny_tokenizer
+):
+    # A server's batch never empties: each row leaves after 6 tokens and a new one joins
+    # every 2 steps. The cache must span what the live rows attend to (give or take the
+    # columns the decoder trims in one go), not the batch's history (120 steps), and every
+    # row must still get its tokens alone.
+    rows = [
+        Row(
+            PROMPTS[i % len(PROMPTS)],
+            SamplingParams(max_tokens=6, temperature=1.0, seed=i),
+            stop_on_eos=False,
+        )
+        for i in range(60)
+    ]
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    got: dict[int, list[int]] = {}
+    widths = []
+    for step in range(130):
+        if step % 2 == 0 and step // 2 < len(rows):
+            for ident in batch.add([rows[step // 2]]):
+                got[ident] = []
+        for token in batch.step():
+            got[token.row].append(token.token)
+        if len(batch):
+            widths.append(batch.state.length)
+    assert len(batch) == 0
+    longest_prompt = max(len(p) for p in PROMPTS)
+    # A live row spans at most its prompt and 6 tokens, and rows join 2 steps apart.
+    assert max(widths) <= longest_prompt + 6 + 2 + TRIM_MIN_COLUMNS
+    for ident, row in enumerate(rows):
+        assert got[ident] == _alone(tiny_model, tiny_tokenizer, row), ident
+
+
+def test_rows_of_several_adapters_joining_and_leaving_at_random_get_what_they_get_alone(
+    tiny_model, tiny_tokenizer
+):
+    # Joins of one to three rows with prompts shorter and longer than the running cache,
+    # rows leaving by length and by being dropped: the cache's free slots are reused, rows
+    # move into the places of those that left, its columns are trimmed and regrown, and no
+    # row's tokens change.
+    engine = Engine(tiny_model, tokenizer=tiny_tokenizer)
+    keys: list[str | None] = [None]
+    for seed in (1, 2):
+        policy = engine.create_policy(rank=4, alpha=8, seed=seed)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, b in policy.lora_weights.values():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+        keys.append(policy.adapter_key)
+    rng = torch.Generator().manual_seed(0)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=rng))
+
+    rows: dict[int, Row] = {}
+    got: dict[int, list[int]] = {}
+    dropped: set[int] = set()
+    batch = ContinuousBatch(engine.model, tiny_tokenizer, engine.host)
+    for step in range(160):
+        if step < 120 and draw(3) == 0:
+            new = []
+            for _ in range(1 + draw(3)):
+                prompt = [5 + draw(280) for _ in range(1 + draw(30))]
+                params = SamplingParams(max_tokens=3 + draw(25), temperature=1.0, seed=draw(99))
+                new.append(Row(prompt, params, adapter=keys[draw(3)], stop_on_eos=False))
+            for ident, row in zip(batch.add(new), new, strict=True):
+                rows[ident], got[ident] = row, []
+        if len(batch) > 2 and draw(15) == 0:
+            victim = batch.rows[draw(len(batch))].ident
+            batch.drop({victim})
+            dropped.add(victim)
+        for token in batch.step():
+            got[token.row].append(token.token)
+    assert len(batch) == 0 and len(rows) > 40 and dropped
+    for ident, row in rows.items():
+        (alone,) = generate(
+            engine.model,
+            tiny_tokenizer,
+            [row.prompt],
+            row.params,
+            adapters=[row.adapter],
+            host=engine.host,
+            stop_on_eos=False,
+        )
+        if ident in dropped:
+            assert got[ident] == alone.tokens[: len(got[ident])], ident
+        else:
+            assert got[ident] == alone.tokens, ident
