@@ -23,9 +23,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from training.decoder import compaction_order, decoder_for
+from training.decoder import decoder_for
+from training.kv_cache import compaction_order
 from training.penalties import Penalties
-from training.sampler import _choose_tokens, _row_generator, _Uniforms, default_stop_ids
+from training.sampler import (
+    _choose_tokens,
+    _row_generator,
+    _Uniforms,
+    banned,
+    default_stop_ids,
+    placeholder_ids,
+)
 from training.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -84,6 +92,7 @@ class ContinuousBatch:
             getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0
         )
         self.eos = set(default_stop_ids(model, tokenizer))
+        self.placeholders = placeholder_ids(model)
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0
         self._next = 0
@@ -230,7 +239,7 @@ class ContinuousBatch:
         logits = self.logits_B_V
         any_filter = bool(((self.top_p_B < 1.0) | (self.top_k_B > 0)).any())
         tokens_B = _choose_tokens(
-            self.penalties.apply(logits),
+            banned(self.penalties.apply(logits), self.placeholders),
             self.temperature_B,
             self.top_p_B,
             self.top_k_B,

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from training import vision
+from training.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from training.lora import LoRAHost
@@ -213,95 +214,6 @@ class _VLState(_HFState):
         self.deltas_B = deltas_B
 
 
-class _FusedState:
-    """Per-call cache: keys/values (layers, rows, kv_heads, capacity, head_dim), filled up to
-    `length`; `bias_B_T` is 0 where a row may attend and -inf on its left padding.
-
-    They are views of the first `rows` slots of larger stores, so that rows can join and
-    leave a running batch (continuous batching) without copying the rows that stay: a row
-    that joins is written into a free slot, a row that leaves is overwritten by the last one.
-    """
-
-    def __init__(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        bias_B_T: torch.Tensor,
-        cos_T_D: torch.Tensor,
-        sin_T_D: torch.Tensor,
-        length: int,
-    ) -> None:
-        self.key_store = keys
-        self.value_store = values
-        self.bias_store = bias_B_T
-        self.rows = keys.shape[1]
-        self.cos_T_D = cos_T_D
-        self.sin_T_D = sin_T_D
-        self.length = length
-        self._views()
-
-    def _views(self) -> None:
-        self.keys = self.key_store[:, : self.rows]
-        self.values = self.value_store[:, : self.rows]
-        self.bias_B_T = self.bias_store[: self.rows]
-
-    @property
-    def slots(self) -> int:
-        return self.key_store.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.key_store.shape[3]
-
-    def use(self, rows: int) -> None:
-        self.rows = rows
-        self._views()
-
-    def replace(
-        self, keys: torch.Tensor, values: torch.Tensor, bias_B_T: torch.Tensor, rows: int
-    ) -> None:
-        self.key_store, self.value_store, self.bias_store = keys, values, bias_B_T
-        self.use(rows)
-
-
-# A continuous batch drops the cache columns left of every live row's first one once they are
-# at least this many and a quarter of its length (a copy of the cache, so not at every step).
-TRIM_MIN_COLUMNS = 16
-
-
-def _first_live_column(bias_B_T: torch.Tensor, length: int) -> int:
-    """The first cache column below ``length`` that some row attends to (0 if none)."""
-    live_T = (bias_B_T[:, :length] == 0).any(dim=0)
-    return int(live_T.to(torch.uint8).argmax()) if bool(live_T.any()) else 0
-
-
-def compaction_order(rows: int, keep: list[int]) -> list[int]:
-    """The order in which to keep the rows ``keep`` (increasing positions among ``rows``)
-    that moves the fewest: each kept row stays where it is, except those beyond the new end,
-    which fill the places of the rows that left (`FusedDecoder.select` then copies only
-    them)."""
-    n = len(keep)
-    kept = set(keep)
-    tail = [i for i in keep if i >= n]
-    order = []
-    for j in range(n):
-        order.append(j if j in kept else tail.pop())
-    return order
-
-
-def _trim(state: _FusedState, start: int) -> None:
-    """Drop the cache columns left of ``start``, which no row attends to."""
-    rows, end = state.rows, state.length
-    stores = []
-    for store in (state.key_store, state.value_store):
-        layers, slots, kv_heads, capacity, head_dim = store.shape
-        kept = store.new_empty((layers, slots, kv_heads, capacity - start, head_dim))
-        kept[:, :rows, :, : end - start] = store[:, :rows, :, start:end]
-        stores.append(kept)
-    state.replace(stores[0], stores[1], state.bias_store[:, start:].clone(), rows)
-    state.length = end - start
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -374,7 +286,7 @@ class FusedDecoder:
         positions_B_L: torch.Tensor,
         keys_B: Sequence[str | None],
         capacity: int,
-    ) -> tuple[torch.Tensor, _FusedState]:
+    ) -> tuple[torch.Tensor, KVCache]:
         """Run the prompts, fill the cache, return the logits after each prompt's last token.
 
         The projections and MLPs run over the prompts' real tokens only, packed one after
@@ -395,7 +307,7 @@ class FusedDecoder:
         cos_T_D, sin_T_D = cos_T_D[0].to(dtype), sin_T_D[0].to(dtype)
         # Every column below `length` is written below (padding as zeros), every later one
         # by the decode step that first reads it: no need to clear the cache.
-        state = _FusedState(
+        state = KVCache(
             keys=torch.empty(
                 (len(self.layers), batch, self.num_kv_heads, capacity, self.head_dim),
                 device=device,
@@ -465,13 +377,13 @@ class FusedDecoder:
         tokens_B: torch.Tensor,
         positions_B: torch.Tensor,
         keys_B: Sequence[str | None],
-        state: _FusedState,
+        state: KVCache,
     ) -> torch.Tensor:
         with _route(self.host, keys_B):
             return self._step(tokens_B, positions_B, state)
 
     def _step(
-        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, state: _FusedState
+        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, state: KVCache
     ) -> torch.Tensor:
         batch = tokens_B.shape[0]
         t = state.length
@@ -517,97 +429,14 @@ class FusedDecoder:
         return self._logits(x)
 
     @staticmethod
-    def select(state: _FusedState, index_B: torch.Tensor) -> None:
-        """Keep the rows ``index_B``, in that order.
-
-        An index that keeps each row in place or moves rows from beyond its end into the
-        slots of rows that left (`compaction_order`) costs a copy of the moved rows only;
-        any other index, a copy of the cache. The columns left of the first one any kept row
-        attends to go with the rows that needed them (`TRIM_MIN_COLUMNS`): a continuous batch
-        that rows keep joining and leaving would otherwise attend over (and hold) a cache as
-        long as its whole history."""
-        order = index_B.tolist()
-        n = len(order)
-        in_place = len(set(order)) == n and all(
-            i == j or n <= i < state.rows for j, i in enumerate(order)
-        )
-        if in_place:
-            moves = [(j, i) for j, i in enumerate(order) if i != j]
-            if moves:
-                dst = torch.tensor([j for j, _ in moves], device=index_B.device)
-                src = torch.tensor([i for _, i in moves], device=index_B.device)
-                for store in (state.key_store, state.value_store):
-                    store[:, dst] = store[:, src]
-                state.bias_store[dst] = state.bias_store[src]
-            state.use(n)
-            start = _first_live_column(state.bias_B_T, state.length)
-            if start >= TRIM_MIN_COLUMNS and 4 * start >= state.length:
-                _trim(state, start)
-            return
-        bias = state.bias_B_T.index_select(0, index_B)
-        start = _first_live_column(bias, state.length)
-        state.replace(
-            state.keys[:, :, :, start:].index_select(1, index_B),
-            state.values[:, :, :, start:].index_select(1, index_B),
-            bias[:, start:].contiguous(),
-            n,
-        )
-        state.length -= start
+    def select(state: KVCache, index_B: torch.Tensor) -> None:
+        state.select(index_B)
 
     @staticmethod
-    def join(state: _FusedState, other: _FusedState) -> None:
+    def join(state: KVCache, other: KVCache) -> None:
         """Append the rows of `other` (a prefill of new prompts) to those of `state`, which
-        may be mid-decode: continuous batching.
-
-        Both caches are right-aligned at their current length (every row's next token is
-        written at the same column), so the shorter one is shifted right and its new left
-        columns are padding. Positions are per row (rotary is applied before caching), so a
-        row's column offset changes nothing it computes. When `state` has free slots, its
-        prompt fits left of the current column and its room suffices, the new rows are
-        written into those slots and nothing else moves; otherwise both go into larger
-        stores, with room for more rows and columns so that the next joins fit.
-        """
-        rows, new = state.rows, other.rows
-        t, u = state.length, other.length
-        room_new = other.capacity - u
-        if rows + new <= state.slots and u <= t and t + room_new <= state.capacity:
-            for mine, theirs in ((state.key_store, other.keys), (state.value_store, other.values)):
-                mine[:, rows : rows + new, :, : t - u] = 0
-                mine[:, rows : rows + new, :, t - u : t] = theirs[:, :, :, :u]
-            bias = state.bias_store[rows : rows + new]
-            bias[:, : t - u] = float("-inf")
-            bias[:, t - u : t] = other.bias_B_T[:, :u]
-            bias[:, t:] = 0
-            if other.cos_T_D.shape[0] > state.cos_T_D.shape[0]:
-                state.cos_T_D, state.sin_T_D = other.cos_T_D, other.sin_T_D
-            state.use(rows + new)
-            return
-        # Columns left of every row's first attended one are dropped on the way.
-        s0 = _first_live_column(state.bias_B_T, t)
-        s1 = _first_live_column(other.bias_B_T, u)
-        t, u = t - s0, u - s1
-        length = max(t, u)
-        room = max(state.capacity - state.length, room_new)
-        capacity = length + room + max(length, TRIM_MIN_COLUMNS)
-        total = rows + new
-        slots = max(total, 2 * state.slots)
-        layers, _, kv_heads, _, head_dim = state.keys.shape
-        merged = []
-        for mine, theirs in ((state.keys, other.keys), (state.values, other.values)):
-            both = mine.new_empty((layers, slots, kv_heads, capacity, head_dim))
-            both[:, :rows, :, : length - t] = 0
-            both[:, :rows, :, length - t : length] = mine[:, :, :, s0 : s0 + t]
-            both[:, rows:total, :, : length - u] = 0
-            both[:, rows:total, :, length - u : length] = theirs[:, :, :, s1 : s1 + u]
-            merged.append(both)
-        bias = state.bias_B_T.new_zeros((slots, capacity))
-        bias[:total, :length] = float("-inf")
-        bias[:rows, length - t : length] = state.bias_B_T[:, s0 : s0 + t]
-        bias[rows:total, length - u : length] = other.bias_B_T[:, s1 : s1 + u]
-        if other.cos_T_D.shape[0] > state.cos_T_D.shape[0]:
-            state.cos_T_D, state.sin_T_D = other.cos_T_D, other.sin_T_D
-        state.replace(merged[0], merged[1], bias, total)
-        state.length = length
+        may be mid-decode: continuous batching (`training.kv_cache`)."""
+        state.join(other)
 
     # -- pieces -----------------------------------------------------------------------------
 

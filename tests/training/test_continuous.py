@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from training.continuous import ContinuousBatch, Row
-from training.decoder import TRIM_MIN_COLUMNS
 from training.engine import Engine
+from training.kv_cache import TRIM_MIN_COLUMNS
 from training.sampler import generate
 from training.types import SamplingParams
 
