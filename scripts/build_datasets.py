@@ -13,7 +13,6 @@ tests to keep the files and this script in step).
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import random
 import sys
@@ -178,20 +177,8 @@ GEOMETRY_SEEDS = {"test": range(128), "train": range(10_000, 10_512)}
 def geometry_rows(split: str) -> list[dict[str, Any]]:
     from training import geometry
 
-    rows = []
-    for i, seed in enumerate(GEOMETRY_SEEDS[split]):
-        problem = geometry.problem(seed)
-        rows.append(
-            {
-                "id": f"geometry-{split}-{i:05d}",
-                "images": [base64.b64encode(problem.image).decode("ascii")],
-                "problem": problem.problem,
-                "answer": problem.answer,
-                "kind": problem.kind,
-                "seed": seed,
-            }
-        )
-    return rows
+    rows = geometry.dataset_rows(GEOMETRY_SEEDS[split])
+    return [{"id": f"geometry-{split}-{i:05d}", **row} for i, row in enumerate(rows)]
 
 
 def main(argv: list[str] | None = None) -> int:

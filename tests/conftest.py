@@ -34,6 +34,7 @@ ONCE_PATHS = (
     "workers/test_verl_compose.py",
     "e2e/test_verl_real.py",
     "e2e/test_data_parallel.py",
+    "e2e/test_geometry_gain.py",
     "e2e/test_init_from_job.py",
     "e2e/test_serve_chaos.py",
     "e2e/test_snapshot_opponent.py",

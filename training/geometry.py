@@ -196,6 +196,25 @@ def problems(
     return [problem(s, kinds, values_in_text=values_in_text) for s in seeds]
 
 
+def dataset_rows(
+    seeds: Sequence[int], kinds: Sequence[str] = KINDS, *, values_in_text: bool = False
+) -> list[dict[str, Any]]:
+    """geometry3k-shaped rows as the `geometry` env's datasets hold them (JSONL: each image
+    base64-encoded), with the kind and seed that drew each."""
+    import base64
+
+    return [
+        {
+            "images": [base64.b64encode(p.image).decode("ascii")],
+            "problem": p.problem,
+            "answer": p.answer,
+            "kind": p.kind,
+            "seed": p.seed,
+        }
+        for p in problems(seeds, kinds, values_in_text=values_in_text)
+    ]
+
+
 # ------------------------------------------------------------------------------ captions
 
 

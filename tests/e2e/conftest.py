@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.rows import addition_rows
 from tests.fixtures.workers import WorkerProcess
-from training.model import DEFAULT_BASE_MODEL
+from training.model import DEFAULT_BASE_MODEL, TINY_VL_MODEL
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +53,22 @@ def trainer(
         return start_worker(slots=1, **kwargs)
 
     return start
+
+
+@pytest.fixture
+def vl_trainer(
+    shared_data_dir: Path, start_worker: Callable[..., WorkerProcess], tiny_base_model: Any
+) -> Callable[..., WorkerProcess]:
+    """Factory for real Celery workers that train the tiny vision-language model."""
+    from jobs.models import BaseModel
+
+    if not (Path(TINY_VL_MODEL) / "config.json").is_file():
+        pytest.skip("no models/tiny-vl: run scripts/build_tiny_vl_model.py")
+    BaseModel.objects.get_or_create(
+        name="tiny-vl",
+        defaults={"path": "models/tiny-vl", "max_lora_rank": 64, "max_context": 1024},
+    )
+    return lambda **kwargs: start_worker(slots=1, **kwargs)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import base64
 import io
 import json
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,27 +23,13 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from environments import images
-from jobs.models import BaseModel, JobState
+from jobs.models import JobState
 from tests.e2e.test_managed_training import finished, series, steps_of, submit
-from tests.fixtures.workers import WorkerProcess
 from training.model import TINY_VL_MODEL
 
 BUILTIN_GEOMETRY = Path(__file__).resolve().parents[2] / "environments/data/geometry_train.jsonl"
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def vl_trainer(
-    shared_data_dir: Path, start_worker: Callable[..., WorkerProcess], tiny_base_model: Any
-) -> Callable[..., WorkerProcess]:
-    if not (Path(TINY_VL_MODEL) / "config.json").is_file():
-        pytest.skip("no models/tiny-vl: run scripts/build_tiny_vl_model.py")
-    BaseModel.objects.get_or_create(
-        name="tiny-vl",
-        defaults={"path": "models/tiny-vl", "max_lora_rank": 64, "max_context": 1024},
-    )
-    return lambda **kwargs: start_worker(slots=1, **kwargs)
 
 
 def geometry_spec(method: str, **overrides: Any) -> dict[str, Any]:
