@@ -245,6 +245,10 @@ class JobSpecV1(BaseModel):
             errors.extend(_init_errors(self))
         if self.runner == "verl" and self.method == "sft" and self.eval is not None:
             errors.append(("runner", "eval jobs run on the native runner"))
+        if self.runner == "verl" and self.method == "sft" and self.env and shows_images(self.env):
+            errors.append(
+                ("runner", f"env {self.env!r} shows images: verl runs its RL jobs, not SFT")
+            )
         if self.runner == "verl" and self.method == "rl":
             errors.extend(_verl_errors(self))
         if errors:
@@ -370,9 +374,11 @@ def _verl_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
         errors.append(("runner", "self-play pairs a group's episodes; verl samples them apart"))
     if spec.env is not None and frozen_opponent(spec.env, spec.env_config):
         errors.append(("runner", "a snapshot opponent is sampled by the native runner only"))
-    if spec.env is not None and shows_images(spec.env):
+    # verl's image path (docs/verl.md) is its single-turn agent loop.
+    images = spec.env is not None and shows_images(spec.env)
+    if images and get_env(str(spec.env)).interaction is Interaction.MULTI_TURN:
         errors.append(
-            ("runner", f"env {spec.env!r} shows images; the verl runner is text-only: native")
+            ("runner", f"env {spec.env!r} shows images over several turns: native runner")
         )
     if spec.rollout.env_execution != "inline":
         errors.append(

@@ -260,12 +260,51 @@ def accuracy(model: Any, tok: Any, processor: Any, seeds: range) -> tuple[float,
     return total, {k: sum(v) / len(v) for k, v in sorted(right.items())}
 
 
+# Qwen2.5-VL's processor and vLLM's model name a video placeholder whether or not a model
+# sees videos (vLLM looks it up for every image request; transformers takes the unknown
+# token's id, the padding, for it otherwise). It is added after pre-training as one more
+# vocabulary row of zeros: its logit is 0, about 1e-5 of the probability mass where the
+# other rows' logits lie, and the samplers never draw a placeholder anyway.
+VIDEO_TOKEN = "<|video_pad|>"
+
+
+def add_video_token(model: Any, tok: Any) -> None:
+    """Give ``model`` and ``tok`` the video placeholder (in place), if they lack it."""
+    if VIDEO_TOKEN in tok.get_vocab():
+        return
+    tok.add_tokens([AddedToken(VIDEO_TOKEN, special=True, normalized=False)], special_tokens=True)
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[rows:] = 0
+    model.config.video_token_id = tok.convert_tokens_to_ids(VIDEO_TOKEN)
+
+
+def patch_video_token(directory: Path) -> None:
+    """Add the video placeholder to a model this script built before it did so."""
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(directory), dtype=torch.float32, local_files_only=True
+    )
+    add_video_token(model, tok)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tok.save_pretrained(str(directory))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(REPO / "models" / "tiny-vl"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS)
+    parser.add_argument(
+        "--patch-video-token",
+        action="store_true",
+        help="only add the video placeholder to the model already in --out (no pre-training)",
+    )
     args = parser.parse_args()
+    if args.patch_video_token:
+        patch_video_token(Path(args.out))
+        return
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -309,6 +348,8 @@ def main() -> None:
                 break
     model.eval()
     test, per_kind = accuracy(model, tok, processor, TEST_SEEDS)
+    add_video_token(model, tok)
+    tok.save_pretrained(str(out))
     model.save_pretrained(str(out), safe_serialization=True)
     processor.save_pretrained(str(out))
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(

@@ -63,7 +63,18 @@ DEPS=(
     "PyYAML==6.0.4"
 )
 
-PINS="$DEVICE $("$PYTHON" -c 'import sys; print(sys.version.split()[0])') $TORCH $VLLM $VERL ${DEPS[*]}"
+# The vision-language path (docs/verl.md): qwen_vl_utils, which verl calls for every prompt
+# with images, and on CPU torchvision's Python code (the index has only CUDA builds of it for
+# this torch, whose compiled ops do not load: a hook module lets it import without them; the
+# CUDA vLLM brings its own torchvision).
+VL_DEPS=("qwen-vl-utils==0.0.14")
+CPU_VL_DEPS=("torchvision==0.28.0")
+TV_HOOK="$ROOT/workers/runners/verl_cpu/opentinker_torchvision_ops.py"
+
+PINS="$DEVICE $("$PYTHON" -c 'import sys; print(sys.version.split()[0])') $TORCH $VLLM $VERL ${DEPS[*]} ${VL_DEPS[*]}"
+if [ "$DEVICE" = cpu ]; then
+    PINS="$PINS ${CPU_VL_DEPS[*]} $(sha256sum "$TV_HOOK" | cut -d' ' -f1)"
+fi
 HASH="$(printf '%s' "$PINS" | sha256sum | cut -d' ' -f1)"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$HASH" ]; then
     echo "verl env $VENV is up to date ($DEVICE, pins ${HASH:0:12})"
@@ -87,10 +98,16 @@ else
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 "${PIP[@]}" --no-deps "$VERL"
+# --no-deps: qwen_vl_utils' `av` serves videos only; torchvision's own pin is this torch.
 if [ "$DEVICE" = cuda ]; then
     PIP_FIND_LINKS="" "${PIP[@]}" "${DEPS[@]}"
+    PIP_FIND_LINKS="" "${PIP[@]}" --no-deps "${VL_DEPS[@]}"
 else
     "${PIP[@]}" "$TORCH" "${DEPS[@]}"
+    "${PIP[@]}" --no-deps "${VL_DEPS[@]}" "${CPU_VL_DEPS[@]}"
+    SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cp "$TV_HOOK" "$SITE/"
+    echo "import opentinker_torchvision_ops" > "$SITE/opentinker_torchvision_ops.pth"
 fi
 
 # The imports verl's workers make on this project's behalf (reward function, CPU platform).
@@ -100,5 +117,14 @@ import environments.registry, environments.grading  # noqa: F401 (the reward fun
 import peft, ray, transformers, vllm, verl  # noqa: F401
 print("verl", md.version("verl"), "torch", md.version("torch"), "ray", md.version("ray"))
 EOF
+if [ "$DEVICE" = cpu ]; then
+    # The vision-language path: Qwen2.5-VL's processor as verl loads it (None if it failed).
+    "$VENV/bin/python" - "$ROOT/models/tiny-vl" <<'EOF'
+import sys
+import qwen_vl_utils, torchvision  # noqa: F401
+from verl.utils import hf_processor
+assert hf_processor(sys.argv[1]) is not None, "the vision-language processor did not load"
+EOF
+fi
 printf '%s\n' "$HASH" > "$STAMP"
 echo "verl env $VENV ready ($DEVICE, pins ${HASH:0:12})"

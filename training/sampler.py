@@ -78,6 +78,26 @@ def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def placeholder_ids(model: Any) -> list[int]:
+    """The image and video placeholder ids of a vision-language model (none for a text
+    model): prompt positions the vision tower fills, never a token to generate. A sampled
+    placeholder would be taken for an image's place the next time the sequence is read."""
+    if not vision.is_vision_model(model):
+        return []
+    config = model.config
+    vocab = int(config.get_text_config().vocab_size)
+    ids = {getattr(config, name, None) for name in ("image_token_id", "video_token_id")}
+    return sorted(int(i) for i in ids if i is not None and 0 <= int(i) < vocab)
+
+
+def banned(logits_B_V: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """``logits_B_V`` with the tokens ``ids`` made impossible to choose (a copy if any)."""
+    if not ids:
+        return logits_B_V
+    index = torch.tensor(ids, device=logits_B_V.device)
+    return logits_B_V.index_fill(-1, index, float("-inf"))
+
+
 def _row_generator(
     seed: int | None, sample_index: int, device: torch.device
 ) -> torch.Generator | None:
@@ -254,6 +274,7 @@ def generate(
     )
     any_filter = any(p.top_p < 1.0 or p.top_k > 0 for p in row_params)
     penalties = Penalties(row_params, vocab, device)
+    placeholders = placeholder_ids(model)
 
     pad_id = tokenizer.pad_token_id if tokenizer is not None else None
     pad_id = int(pad_id) if pad_id is not None else 0
@@ -311,7 +332,12 @@ def generate(
 
     while True:
         tokens_B = _choose_tokens(
-            penalties.apply(logits_B_V), temperature_B, top_p_B, top_k_B, uniforms, any_filter
+            banned(penalties.apply(logits_B_V), placeholders),
+            temperature_B,
+            top_p_B,
+            top_k_B,
+            uniforms,
+            any_filter,
         )
         penalties.observe(tokens_B)
         logp_B_V = torch.log_softmax(logits_B_V, dim=-1)

@@ -27,6 +27,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from jobs.models import Job, JobEvent, JobMetric, JobState
+from tests.e2e.rows import upload_angle_problems
 from tests.fixtures.workers import TEST_LEASE_SECONDS, wait_for
 from workers import conf
 from workers.control import reap
@@ -358,6 +359,51 @@ def test_a_verl_gomoku_job_plays_its_opponent_through_the_agent_loop(
     # Each episode took turns: at least one action and its observation.
     assert all(value >= 2 for _, value in series["num_turns/mean"])
     print(f"verl gomoku job: {wall:.0f} s, steps {[round(v, 2) for _, v in series['step_time_s']]}")
+
+
+def test_a_verl_vision_job_trains_on_images_and_hands_back_a_language_model_adapter(
+    vl_trainer: Any, owner_client: APIClient, tmp_path: Path
+) -> None:
+    """GRPO on the geometry env with the tiny Qwen2.5-VL model: the diagrams reach vLLM's
+    vision tower in the rollout and the actor's in training (their logprobs agree), and the
+    adapter adapts the language model only. Problems the model answers about three times in
+    four, so that groups hold right and wrong answers and the adapter moves."""
+    worker = vl_trainer()
+    spec = verl_spec(
+        upload_angle_problems(owner_client, tmp_path, 64),
+        env="geometry",
+        base_model="tiny-vl",
+        steps=2,
+        checkpoint_every=0,
+        eval_every=2,
+        eval_examples=8,
+    )
+    job_id, wall = run_job(owner_client, worker, spec)
+    series = owner_client.get(f"/api/v1/jobs/{job_id}/metrics").json()["series"]
+    for name in ("critic/score/mean", "actor/grad_norm", "loss", "reward/mean"):
+        assert [int(step) for step, _ in series[name]] == [1, 2], (name, sorted(series))
+    assert [int(step) for step, _ in series["eval/reward"]] == [0, 2]
+    # The rollout (vLLM, bfloat16) and the actor (FSDP, float32) scored the same sequences,
+    # images included: a rollout that lost the image would disagree with the actor.
+    agreement = [v for _, v in series["training/rollout_actor_probs_pearson_corr"]]
+    assert min(agreement) > 0.99, agreement
+
+    adapter = download_artifact(owner_client, job_id, "adapter", tmp_path / "adapter", 2)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["exclude_modules"] == ".*visual.*"
+    from peft import PeftModel
+
+    from training.model import TINY_VL_MODEL, load_base
+
+    base, _ = load_base(TINY_VL_MODEL, device="cpu", dtype="float32")
+    model = PeftModel.from_pretrained(base, str(adapter))
+    adapted = [n for n, p in model.named_parameters() if "lora_B" in n]
+    assert adapted and not [n for n in adapted if ".visual." in n]
+    assert any(float(p.abs().sum()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    print(
+        f"verl vision job: {wall:.0f} s, steps {[round(v, 2) for _, v in series['step_time_s']]}"
+        f", rollout/actor agreement {agreement}"
+    )
 
 
 def test_a_verl_sft_job_trains_through_verls_sft_trainer_and_hands_back_an_adapter(

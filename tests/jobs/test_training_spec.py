@@ -78,8 +78,9 @@ def test_it_names_the_field_of_a_bad_rl_setting(extra, field):
         ({"method": "sft", "env": "bandit"}, "env"),
         ({"method": "sft", **MATH, "runner": "verl", "eval": {}}, "runner"),
         (
+            # verl trains on images with RL only (docs/verl.md).
             {
-                "method": "rl",
+                "method": "sft",
                 "env": "geometry",
                 "dataset": "builtin:geometry_train",
                 "runner": "verl",

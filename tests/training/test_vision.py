@@ -248,3 +248,31 @@ def test_it_samples_with_images_deterministically_and_reports_forward_logprobs(
     )
     a, b = sample(engine, [greedy, other])
     assert a[0].logprobs != b[0].logprobs
+
+
+def test_it_never_samples_an_image_placeholder(
+    arch: str, tokenizer: Any, images: list[vision.ImageInput]
+) -> None:
+    # Pushed toward the placeholder by a logit bias the model could not resist otherwise,
+    # greedy and sampled rows alike still generate text: the tower fills placeholders, a
+    # policy never writes one.
+    engine = Engine(vl_models.build_vl_model(arch, tokenizer), tokenizer=tokenizer)
+    _start, _end, pad = vl_models.image_ids(tokenizer)
+    prompt = _sequence(tokenizer, images[:1], [7])
+    pushed = {str(pad): 100.0}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, logit_bias=pushed)
+        (seq,) = generate(
+            engine.model, tokenizer, [prompt], params, images=[images[:1]], stop_on_eos=False
+        )
+        assert len(seq.tokens) == 6 and pad not in seq.tokens, seq.tokens
+    # Unpushed, the placeholder keeps its place in the reported distribution.
+    (free,) = generate(
+        engine.model,
+        tokenizer,
+        [prompt],
+        SamplingParams(max_tokens=1, temperature=0.0),
+        images=[images[:1]],
+        topk_logprobs=int(engine.model.config.get_text_config().vocab_size),
+    )
+    assert pad in [token for token, _ in free.topk_logprobs[0]]

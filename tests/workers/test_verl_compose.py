@@ -137,7 +137,7 @@ def _argv(spec_data: dict[str, Any], tmp_path: Path, *, cpu: bool = False) -> li
     from environments.datasets import load_rows, resolve
 
     spec = parse_spec(spec_data)
-    rows = load_rows(resolve("builtin:arith_train"), "math")[:64] if spec.dataset else None
+    rows = load_rows(resolve(spec.dataset), str(spec.env))[:64] if spec.dataset else None
     data = verl_config.write_datasets(spec, tmp_path / "data", rows=rows, eval_rows=None)
     multi = verl_config.is_multi_turn(str(spec.env))
     cfg = verl.write_agent_loop_config(tmp_path / "loops.yaml") if multi else None
@@ -187,8 +187,16 @@ A = "actor_rollout_ref"
             "runner": "verl",
             "algorithm": {"loss": "cispo", "clip_high": 3.0, "loss_aggregation": "sequence_mean"},
         },
+        {
+            "method": "rl",
+            "base_model": "tiny-vl",
+            "env": "geometry",
+            "dataset": "builtin:geometry_train",
+            "runner": "verl",
+            "rollout": {"max_tokens": 32},
+        },
     ],
-    ids=["rloo-ppo-lora", "multi-turn-dro-full", "cispo"],
+    ids=["rloo-ppo-lora", "multi-turn-dro-full", "cispo", "vision-lora"],
 )
 def test_it_composes_with_verls_config(
     verl_python: Path, tmp_path: Path, spec_data: dict[str, Any]
@@ -216,6 +224,33 @@ def test_it_composes_with_verls_config(
     assert values[f"{A}.actor.rollout_n"] == spec.rollout.group_size
     aggregation = spec.algorithm.loss_aggregation
     assert values[f"{A}.actor.loss_agg_mode"] == verl_config.LOSS_AGGREGATION[aggregation]
+
+
+def test_it_composes_a_vision_jobs_overrides_on_cpu(verl_python: Path, tmp_path: Path) -> None:
+    spec = {
+        "method": "rl",
+        "base_model": "tiny-vl",
+        "env": "geometry",
+        "dataset": "builtin:geometry_train",
+        "runner": "verl",
+    }
+    keys = (
+        "data.image_key",
+        f"{A}.rollout.engine_kwargs.vllm",
+        f"{A}.model.exclude_modules",
+        f"{A}.model.lora_rank",
+    )
+    out = _compose(verl_python, _argv(spec, tmp_path, cpu=True), *keys)
+    assert out["error"] is None, out["error"]
+    assert out["mismatches"] == []
+    values = out["values"]
+    assert values["data.image_key"] == "images"
+    # vLLM reads the limits as JSON (verl dumps the dict it composes): no videos.
+    assert values[f"{A}.rollout.engine_kwargs.vllm"]["limit_mm_per_prompt"] == {
+        "image": 8,
+        "video": 0,
+    }
+    assert values[f"{A}.model.exclude_modules"] == verl_config.VISION_TOWER_MODULES
 
 
 def test_it_is_refused_by_verl_for_an_unknown_key(verl_python: Path, tmp_path: Path) -> None:

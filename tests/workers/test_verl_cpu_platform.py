@@ -50,6 +50,32 @@ with torch.no_grad():
     layer.weight.mul_(2)  # a weight sync, in place
 x = torch.randn(2, 4)
 assert torch.equal(layer.cpu_linear(x, layer.weight, layer.bias), layer(x))
+
+# The fix to verl (opentinker_verl_fixes): a batch of vision-language rows that all have the
+# same length keeps the length as its position ids' ragged dimension, and splits and pads
+# back to the ids it was given.
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import left_right_2_no_padding
+rows, length = 4, 6
+positions = torch.arange(rows * 4 * length).view(rows, 4, length)
+batch = TensorDict(
+    {
+        "input_ids": torch.ones(rows, length, dtype=torch.long),
+        "attention_mask": torch.ones(rows, length, dtype=torch.long),
+        "response_mask": torch.ones(rows, 2, dtype=torch.long),
+        "position_ids": positions,
+    },
+    batch_size=[rows],
+)
+nested = left_right_2_no_padding(batch)["position_ids"]
+assert nested._ragged_idx == 2 and nested.values().shape == (4, rows * length), nested.shape
+halves = tu.chunk_tensordict(TensorDict({"p": nested}, batch_size=[rows]), 2)
+padded = [torch.nested.to_padded_tensor(h["p"], 0, output_size=(2, 4, length)) for h in halves]
+assert torch.equal(torch.cat(padded), positions)
+
+# torchvision's Python code imports beside this torch (opentinker_torchvision_ops).
+import torchvision  # noqa: F401
 print("ok")
 """
 

@@ -224,7 +224,10 @@ def test_it_runs_a_block_of_cpu_slots_on_the_cpu_platform(tmp_path: Path) -> Non
 
     env = verl.trainer_env(ctx, tmp_path / "ray")
     assert env["VERL_PLATFORM"] == verl.CPU_PLATFORM
-    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == verl.CPU_PLATFORM_MODULE
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[:2] == [
+        verl.CPU_PLATFORM_MODULE,
+        verl.FIXES_MODULE,
+    ]
     assert env["VERL_ENGINE_DEVICE"] == "cuda" and env["VLLM_TARGET_DEVICE"] == "cpu"
     assert env["RAY_TMPDIR"] == str(tmp_path / "ray") and env["OMP_NUM_THREADS"] == "1"
     paths = env["PYTHONPATH"].split(os.pathsep)
@@ -232,11 +235,14 @@ def test_it_runs_a_block_of_cpu_slots_on_the_cpu_platform(tmp_path: Path) -> Non
     assert (verl.CPU_PLATFORM_DIR / f"{verl.CPU_PLATFORM_MODULE}.py").is_file()
     assert "CUDA_VISIBLE_DEVICES" not in env
 
-    # A GPU block uses none of it.
+    # A GPU block uses none of it but the fixes to verl.
     gpu = _ctx(tmp_path / "gpu", spec)
     assert "trainer.device=cpu" not in _argv(gpu, spec)
     assert "actor_rollout_ref.model.use_remove_padding=true" in _argv(gpu, spec)
-    assert verl.trainer_env(gpu).get("VERL_PLATFORM") == os.environ.get("VERL_PLATFORM")
+    gpu_env = verl.trainer_env(gpu)
+    assert gpu_env.get("VERL_PLATFORM") == os.environ.get("VERL_PLATFORM")
+    assert gpu_env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == verl.FIXES_MODULE
+    assert str(verl.CPU_PLATFORM_DIR) in gpu_env["PYTHONPATH"].split(os.pathsep)
 
 
 def test_it_stops_a_trainer_that_prints_nothing_for_too_long(tmp_path: Path) -> None:

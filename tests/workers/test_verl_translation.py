@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -301,3 +302,83 @@ def test_a_job_across_nodes_joins_the_gangs_ray_cluster_instead_of_starting_one(
     assert "ray_kwargs.ray_init.num_cpus" not in two
     # 16 sequences over 4 GPUs: micro-batches of 4.
     assert two["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "4"
+
+
+def _geometry(**over: Any) -> Any:
+    base = {
+        "method": "rl",
+        "base_model": "tiny-vl",
+        "env": "geometry",
+        "dataset": "builtin:geometry_train",
+        "runner": "verl",
+    }
+    return parse_spec({**base, **over})
+
+
+def test_it_writes_image_prompts_in_verls_multimodal_form(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from environments.renderer import Renderer
+    from training import vision
+    from training.model import TINY_VL_MODEL
+
+    rows = load_rows(resolve("builtin:geometry_train"), "geometry")[:12]
+    tok = AutoTokenizer.from_pretrained(TINY_VL_MODEL)
+    processor = vision.load_processor(TINY_VL_MODEL)
+    pictures = verl_config.Pictures(processor)
+    spec = _geometry(env_config={"prompt_suffix": " Answer in \\boxed{}."})
+    data = verl_config.write_datasets(
+        spec, tmp_path, rows=rows, eval_rows=rows[:4], tokenizer=tok, pictures=pictures
+    )
+    train = pq.read_table(data.train).to_pylist()
+    assert (data.train_rows, data.val_rows) == (12, 4)
+    by_image = {r["images"][0]["bytes"]: r for r in train}
+    for row in rows:
+        record = by_image[base64.b64decode(row["images"][0])]
+        # One string per message, the image where the problem marks it, its bytes beside.
+        (message,) = record["prompt"]
+        assert message["content"] == row["problem"] + " Answer in \\boxed{}."
+        (image,) = record["images"]
+        assert (image["min_pixels"], image["max_pixels"]) == (3136, 50176)
+        truth = record["reward_model"]["ground_truth"]
+        solved = f"so \\boxed{{{truth}}}"
+        assert compute_score("geometry", solved, truth, record["extra_info"]) == 1.0
+    # The longest prompt with every placeholder repeated as the image fills it: the native
+    # runner's renderer, an independent count of the same prompts.
+    renderer = Renderer(tok, image_tokens=lambda data: vision.encode_image(processor, data).tokens)
+    counts = []
+    for gs in verl_config._group_specs(spec, rows, len(rows), spec.seed):
+        (episode,) = build_group(gs).make_episodes()
+        counts.append(len(renderer.prompt_tokens(episode.initial_observation()[0])))
+    assert data.max_prompt_tokens == max(counts) > 16
+
+
+def test_it_maps_a_vision_job_with_lora_off_the_tower(tmp_path: Path) -> None:
+    rows = load_rows(resolve("builtin:geometry_train"), "geometry")[:40]
+    for full in (False, True):
+        spec = _geometry(full_finetune=full)
+        data = verl_config.write_datasets(spec, tmp_path / str(full), rows=rows, eval_rows=None)
+        argv = verl_config.build_overrides(
+            spec,
+            model_path="/models/vl",
+            data=data,
+            checkpoint_dir=tmp_path / "ckpt",
+            n_gpus=1,
+            experiment="job-9",
+            cpu=True,
+        )
+        o = dict(a.split("=", 1) for a in argv)
+        assert o["data.image_key"] == "images"
+        assert o["data.filter_overlong_prompts"] == "false"
+        assert o[f"+{A}.rollout.engine_kwargs.vllm.limit_mm_per_prompt"] == "{image:8,video:0}"
+        if full:
+            assert f"{A}.model.exclude_modules" not in o
+        else:
+            assert o[f"{A}.model.exclude_modules"] == "'.*visual.*'"
+
+
+def test_it_runs_rl_on_an_image_env_and_refuses_sft() -> None:
+    assert _geometry().runner == "verl"
+    with pytest.raises(SpecError) as sft:
+        _geometry(method="sft")
+    assert "runner" in {e["field"] for e in sft.value.errors}

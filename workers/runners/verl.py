@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from environments.registry import shows_images
 from jobs.spec import JobSpec
 from workers import conf, gang
 from workers.runners import verl_ray
@@ -40,6 +41,7 @@ from workers.runners.base import JobCancelled, JobContext, MemberLost
 from workers.runners.inputs import Rows, base_model_path, dataset_rows
 from workers.runners.verl_agent_loop import agent_loop_config
 from workers.runners.verl_config import (
+    Pictures,
     build_overrides,
     build_sft_overrides,
     is_multi_turn,
@@ -65,6 +67,8 @@ from workers.runners.verl_process import (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_PLATFORM_DIR = Path(__file__).resolve().with_name("verl_cpu")
 CPU_PLATFORM_MODULE = "opentinker_verl_cpu"
+# Fixes to verl itself (verl_cpu/opentinker_verl_fixes.py), loaded on every block.
+FIXES_MODULE = "opentinker_verl_fixes"
 CPU_PLATFORM = "opentinker_cpu"
 
 
@@ -95,6 +99,15 @@ def _load_tokenizer(model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
+def _load_pictures(spec: JobSpec, model_path: Path) -> Pictures | None:
+    """The base model's image processor, for a job whose env shows images."""
+    if not shows_images(str(spec.env)):
+        return None
+    from training import vision
+
+    return Pictures(vision.load_processor(str(model_path)))
+
+
 def nodes_of(ctx: JobContext) -> int:
     """Ray nodes of the job: one per member of its lease (a gang spans several)."""
     return max(1, len(ctx.members))
@@ -108,6 +121,7 @@ def prepare(
     rows: Rows | None,
     eval_rows: Rows | None,
     tokenizer: Any = None,
+    pictures: Pictures | None = None,
 ) -> list[str]:
     """Write the job's verl inputs under ``ctx.workdir/verl`` and return the full argv."""
     root = ctx.workdir / "verl"
@@ -115,7 +129,9 @@ def prepare(
         return prepare_sft(
             ctx, spec, model_path=model_path, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer
         )
-    data = write_datasets(spec, root / "data", rows=rows, eval_rows=eval_rows, tokenizer=tokenizer)
+    data = write_datasets(
+        spec, root / "data", rows=rows, eval_rows=eval_rows, tokenizer=tokenizer, pictures=pictures
+    )
     multi = is_multi_turn(str(spec.env))
     agent_cfg = write_agent_loop_config(root / "agent_loops.yaml") if multi else None
     # Room for the longest prompt, rounded up so a resumed attempt pads identically.
@@ -178,10 +194,15 @@ def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, st
     if ray_tmpdir is not None:
         # Ray leaves a session directory per start: one per attempt, removed afterwards.
         env["RAY_TMPDIR"] = str(ray_tmpdir)
+    # The modules verl's processes import (verl_cpu/): its fixes on every block, and on a
+    # block without CUDA the CPU platform first.
+    paths.insert(0, str(CPU_PLATFORM_DIR))
+    ours = [FIXES_MODULE]
     if is_cpu_block(ctx):
-        paths.insert(0, str(CPU_PLATFORM_DIR))
-        modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-        env["VERL_USE_EXTERNAL_MODULES"] = ",".join([CPU_PLATFORM_MODULE, *modules])
+        ours.insert(0, CPU_PLATFORM_MODULE)
+    modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    env["VERL_USE_EXTERNAL_MODULES"] = ",".join([*ours, *modules])
+    if is_cpu_block(ctx):
         env["VERL_PLATFORM"] = CPU_PLATFORM
         # verl registers its FSDP engine for cuda and npu; the class then runs on the
         # platform's device.
@@ -315,6 +336,7 @@ def run(ctx: JobContext) -> None:
         rows=rows,
         eval_rows=eval_rows,
         tokenizer=_load_tokenizer(model_path),
+        pictures=_load_pictures(spec, model_path),
     )
     root = ctx.workdir / "verl"
     leftovers = root / LEFTOVERS_FILE

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from environments import images as env_images
 from environments.envs.math_env import sft_completion
-from environments.registry import build_group, get_env, group_specs
+from environments.registry import build_group, get_env, group_specs, shows_images
 from environments.types import Interaction
 from jobs.spec import JobSpec
 from workers.runners.verl_agent_loop import AGENT_NAME
@@ -63,9 +64,61 @@ def is_multi_turn(env_name: str) -> bool:
     return get_env(env_name).interaction is Interaction.MULTI_TURN
 
 
-def _records(spec: JobSpec, specs: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+# verl's RLHFDataset puts the row's next image where a message's text says this.
+IMAGE_MARKER = "<image>"
+
+
+@dataclass(frozen=True)
+class Pictures:
+    """A vision-language base model's image processor, as the verl runner needs it: how many
+    prompt tokens an image fills, and the pixel bounds its images are resized within."""
+
+    processor: Any
+
+    def tokens(self, data: bytes) -> int:
+        from training import vision
+
+        return vision.encode_image(self.processor, data).tokens
+
+    def bounds(self) -> dict[str, int]:
+        # Given with each image, so that verl (qwen_vl_utils) resizes within the processor's
+        # own bounds and an image fills as many tokens there as in the native runner.
+        size = self.processor.size
+        return {"min_pixels": int(size.shortest_edge), "max_pixels": int(size.longest_edge)}
+
+
+def _verl_messages(messages: list[Any]) -> tuple[list[dict[str, str]], list[bytes]]:
+    """Messages in verl's multimodal form: every content a string, each image part an
+    ``<image>`` marker in it, the images in marker order."""
+    out, found = [], []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            text = []
+            for part in content:
+                if part.get("type") in ("image", "image_url"):
+                    found.extend(env_images.images_in([{"content": [part]}]))
+                    text.append(IMAGE_MARKER)
+                else:
+                    text.append(str(part.get("text", "")))
+            content = "".join(text)
+        out.append({"role": m["role"], "content": content})
+    return out, found
+
+
+def _records(
+    spec: JobSpec,
+    specs: list[dict[str, Any]],
+    split: str,
+    tokenizer: Any = None,
+    pictures: Pictures | None = None,
+) -> tuple[list[dict[str, Any]], int | None]:
+    """verl's rows for ``specs``, and the longest prompt in tokens (images expanded) when a
+    tokenizer is given."""
     multi = is_multi_turn(str(spec.env))
+    with_images = shows_images(str(spec.env))
     out = []
+    longest = None
     for i, gs in enumerate(specs):
         (episode,) = build_group(gs).make_episodes()
         try:
@@ -73,9 +126,22 @@ def _records(spec: JobSpec, specs: list[dict[str, Any]], split: str) -> list[dic
         finally:
             episode.close()
         row = gs.get("row") or {}
+        prompt = [{"role": m["role"], "content": m["content"]} for m in messages]
+        shown: list[bytes] = []
+        if with_images:
+            prompt, shown = _verl_messages(messages)
+            if tokenizer is not None and pictures is None:
+                raise ValueError("an image's share of a prompt's length needs its processor")
+        if tokenizer is not None:
+            # The chat template writes one placeholder per image, which the processor repeats
+            # as many times as the image fills.
+            length = _prompt_tokens(tokenizer, list(messages))
+            if pictures is not None:
+                length += sum(pictures.tokens(data) - 1 for data in shown)
+            longest = max(length, longest or 0)
         record: dict[str, Any] = {
             "data_source": spec.env,
-            "prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "prompt": prompt,
             "ability": spec.env,
             "reward_model": {"style": "rule", "ground_truth": str(row.get("answer", ""))},
             "extra_info": {
@@ -87,8 +153,11 @@ def _records(spec: JobSpec, specs: list[dict[str, Any]], split: str) -> list[dic
         }
         if multi:
             record["agent_name"] = AGENT_NAME
+        if with_images:
+            bounds = pictures.bounds() if pictures is not None else {}
+            record["images"] = [{"bytes": data, **bounds} for data in shown]
         out.append(record)
-    return out
+    return out, longest
 
 
 def _group_specs(
@@ -106,12 +175,15 @@ def write_datasets(
     rows: list[dict[str, Any]] | None,
     eval_rows: list[dict[str, Any]] | None,
     tokenizer: Any = None,
+    pictures: Pictures | None = None,
 ) -> DataFiles:
     """Write ``train.parquet`` and ``val.parquet`` in verl's RLHF schema.
 
     Dataset envs: every training row once per epoch (verl shuffles), evaluation rows (or,
     without any, the first ``eval_examples`` training rows) for validation. Generator envs:
-    one episode seed per row, validation seeds disjoint from training seeds.
+    one episode seed per row, validation seeds disjoint from training seeds. An env that
+    shows images writes them in an ``images`` column (``pictures``: the base model's image
+    processor, which also counts the tokens each image fills in the prompt lengths).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -126,17 +198,15 @@ def write_datasets(
         n_train = min(spec.steps * spec.rollout.prompts_per_step, MAX_GENERATED_ROWS)
         train_specs = _group_specs(spec, None, n_train, spec.seed)
         val_specs = _group_specs(spec, None, spec.eval_examples, spec.seed + EVAL_SEED_OFFSET)
-    train = _records(spec, train_specs, "train")
-    val = _records(spec, val_specs, "test")
+    train, longest_train = _records(spec, train_specs, "train", tokenizer, pictures)
+    val, longest_val = _records(spec, val_specs, "test", tokenizer, pictures)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "train.parquet", out_dir / "val.parquet"
     for path, records in zip(paths, (train, val)):
         tmp = path.with_suffix(".parquet.tmp")
         pq.write_table(pa.Table.from_pylist(records), tmp)
         os.replace(tmp, path)
-    longest = None
-    if tokenizer is not None:
-        longest = max(_prompt_tokens(tokenizer, r["prompt"]) for r in (*train, *val))
+    longest = max(longest_train or 0, longest_val or 0) or None
     return DataFiles(paths[0], paths[1], len(train), len(val), longest)
 
 
@@ -185,7 +255,7 @@ def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+def _prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> int:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -203,6 +273,8 @@ def hydra_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
     text = str(value)
     if _SIMPLE_VALUE.match(text):
         return text
@@ -345,12 +417,39 @@ def build_overrides(
         o[f"{a}.rollout.multi_turn.max_assistant_turns"] = ro.max_turns
         o[f"{a}.rollout.agent.default_agent_loop"] = "opentinker_env"
         o[f"{a}.rollout.agent.agent_loop_config_path"] = str(agent_loop_config)
+    if shows_images(str(spec.env)):
+        o.update(vision_overrides(spec))
     if cpu:
         o.update(cpu_overrides(n_gpus))
         if nnodes > 1:
             # The cluster's nodes declare their own resources; ray.init may not, joining it.
             del o["+ray_kwargs.ray_init.num_gpus"], o["ray_kwargs.ray_init.num_cpus"]
     return [f"{key}={hydra_value(value)}" for key, value in o.items()]
+
+
+def vision_overrides(spec: JobSpec) -> dict[str, Any]:
+    """What a vision-language job adds (docs/verl.md, "Vision-language jobs")."""
+    from environments.envs.geometry import MAX_IMAGES
+
+    a = "actor_rollout_ref"
+    o: dict[str, Any] = {
+        "data.image_key": "images",
+        # The prompt length is sized from the expanded prompts; verl would drop longer rows
+        # without a word.
+        "data.filter_overlong_prompts": False,
+        # No videos: vLLM would otherwise build dummy videos to profile its memory at start.
+        f"+{a}.rollout.engine_kwargs.vllm.limit_mm_per_prompt": {"image": MAX_IMAGES, "video": 0},
+    }
+    if not spec.full_finetune:
+        # LoRA on the language model only, as the native runner does: vLLM applies none to
+        # the vision tower, so an adapter there would train what the rollout never samples.
+        o[f"{a}.model.exclude_modules"] = VISION_TOWER_MODULES
+    return o
+
+
+# peft's exclude_modules (a regex matched against the whole module name): Qwen2-VL,
+# Qwen2.5-VL and Qwen3-VL keep their vision tower under `visual`.
+VISION_TOWER_MODULES = ".*visual.*"
 
 
 def build_sft_overrides(

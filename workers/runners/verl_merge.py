@@ -21,6 +21,15 @@ from typing import Any
 
 SHARD = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt$")
 PEFT_PREFIX = "base_model.model."
+# The vision tower of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (as workers.runners.verl_config keeps
+# LoRA off it): an adapter's bare target names (`gate_proj`) would match its layers too.
+VISION_TOWER_MODULES = ".*visual.*"
+
+
+def is_vision_language(actor: Path) -> bool:
+    """The checkpoint's model has a vision tower (verl saved its config in huggingface/)."""
+    path = actor / "huggingface" / "config.json"
+    return path.is_file() and "vision_config" in json.loads(path.read_text())
 
 
 def load_full_state_dict(actor: Path) -> dict[str, Any]:
@@ -68,6 +77,7 @@ def export_lora(state: dict[str, Any], actor: Path, out: Path) -> None:
         r=int(meta["r"]),
         lora_alpha=meta["lora_alpha"],
         target_modules=sorted(modules),
+        exclude_modules=VISION_TOWER_MODULES if is_vision_language(actor) else None,
         task_type=meta.get("task_type") or "CAUSAL_LM",
     ).to_dict()
     for field in ("task_type", "peft_type"):
@@ -79,12 +89,14 @@ def export_lora(state: dict[str, Any], actor: Path, out: Path) -> None:
 
 
 def export_full(state: dict[str, Any], actor: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     hf_dir = actor / "huggingface"
     config = AutoConfig.from_pretrained(str(hf_dir))
     dtype = next(iter(state.values())).dtype
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    # A vision-language model has no causal-LM class: its own holds the tower and the LM.
+    auto = AutoModelForImageTextToText if is_vision_language(actor) else AutoModelForCausalLM
+    model = auto.from_config(config, torch_dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
