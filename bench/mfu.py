@@ -1,6 +1,7 @@
 """Model FLOP utilisation of the engine on a real-sized model, against this machine's limits.
 
     .venv/bin/python bench/mfu.py [--threads N] [--batch 8] [--seq 256] [--write]
+    python bench/mfu.py --device cuda [--dtype bfloat16] [--batch 64] [--seq 1024]
 
 The model is a Qwen2-architecture decoder of ~85M parameters (hidden 768, 12 layers, GQA 12/4
 heads, MLP 2048, the tiny model's 2048-token vocabulary, tied head), randomly initialised from
@@ -24,6 +25,12 @@ Measured in the same run, on the same threads and backend:
 
 MFU = achieved FLOP/s / peak FLOP/s. Peak RSS (``ru_maxrss``) is printed after each phase; it
 only grows, so the full fine-tuning figure includes the earlier phases.
+
+On a GPU (``--device cuda``, bfloat16 by default) the same phases run on the device: the peak
+is the best 8192^3 GEMM in the run's dtype (``torch.mm``: cuBLAS, tensor cores), the
+bandwidth the best 2 GiB device-to-device copy and read-only pass, every timing ends with a
+``torch.cuda.synchronize()``, the weights and KV cache are read at the dtype's width, and the
+memory figure is the device's peak allocation. Its results go to a section of their own.
 """
 
 from __future__ import annotations
@@ -66,9 +73,10 @@ CONFIG = {
     "rms_norm_eps": 1e-6,
 }
 SEED = 7
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_RANK = 16
-GEMM = 2048
-COPY_BYTES = 512 * 2**20
+GEMM = {"cpu": 2048, "cuda": 8192}
+COPY_BYTES = {"cpu": 512 * 2**20, "cuda": 2 * 2**30}
 PROMPT_TOKENS, DECODE_TOKENS = 16, 64
 
 
@@ -95,14 +103,23 @@ def build_model() -> Path:
     return MODEL_DIR
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a GPU call returns before its kernels end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def best_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     fn()  # warm-up: first-call allocations and kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timed(fn, device) for _ in range(repeats))
 
 
 class Limits:
@@ -113,32 +130,35 @@ class Limits:
     the best of interleaved rounds on both sides compares the least disturbed moments.
     """
 
-    def __init__(self) -> None:
-        self.a = torch.randn(GEMM, GEMM)
-        self.b = torch.randn(GEMM, GEMM)
-        self.src = torch.ones(COPY_BYTES // 4)
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.gemm = GEMM[device.type]
+        self.copy_bytes = COPY_BYTES[device.type]
+        self.a = torch.randn(self.gemm, self.gemm, device=device, dtype=dtype)
+        self.b = torch.randn(self.gemm, self.gemm, device=device, dtype=dtype)
+        self.src = torch.ones(self.copy_bytes // 4, device=device)
         self.dst = torch.empty_like(self.src)
         self.flops = 0.0
         self.bandwidth = 0.0
         self.read_bandwidth = 0.0
 
     def measure(self) -> None:
-        gemm = best_time(lambda: torch.mm(self.a, self.b), 2)
+        gemm = best_time(lambda: torch.mm(self.a, self.b), 2, self.device)
         from training import onednn
 
-        if onednn.available():
+        if onednn.usable(self.a, self.b):
             # The engine's no-grad projections run on oneDNN's packed matmul, which on some
             # CPUs (AMD's, where MKL takes a generic path) is twice MKL's sgemm: the machine's
             # peak is the faster of the two backends the engine uses.
             with torch.no_grad():
-                packed = best_time(lambda: onednn.linear(self.a, self.b, None), 2)
+                packed = best_time(lambda: onednn.linear(self.a, self.b, None), 2, self.device)
             gemm = min(gemm, packed)
-        copy = best_time(lambda: self.dst.copy_(self.src), 2)
+        copy = best_time(lambda: self.dst.copy_(self.src), 2, self.device)
         # Decode only reads; a sum over the same bytes is the read-only rate.
-        read = best_time(lambda: self.src.sum(), 2)
-        self.flops = max(self.flops, 2 * GEMM**3 / gemm)
-        self.bandwidth = max(self.bandwidth, 2 * COPY_BYTES / copy)
-        self.read_bandwidth = max(self.read_bandwidth, COPY_BYTES / read)
+        read = best_time(lambda: self.src.sum(), 2, self.device)
+        self.flops = max(self.flops, 2 * self.gemm**3 / gemm)
+        self.bandwidth = max(self.bandwidth, 2 * self.copy_bytes / copy)
+        self.read_bandwidth = max(self.read_bandwidth, self.copy_bytes / read)
 
     def phase(self, fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
         """(best seconds of ``fn``, peak FLOP/s, bandwidth) over interleaved rounds."""
@@ -147,9 +167,7 @@ class Limits:
         times = []
         for _ in range(repeats):
             self.measure()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+            times.append(timed(fn, self.device))
         self.measure()
         return min(times), self.flops, self.bandwidth
 
@@ -165,7 +183,10 @@ def matmul_params(cfg: Any) -> int:
     return layers * per_layer + cfg.vocab_size * d
 
 
-def rss_gib() -> float:
+def peak_memory_gib(device: torch.device) -> float:
+    """The process's peak RSS on the CPU; the device's peak allocation on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -184,14 +205,30 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
     parser.add_argument("--write", action="store_true", help="Update docs/benchmarks.md.")
     args = parser.parse_args()
     if min(args.threads, args.batch, args.seq, args.repeats) < 1:
         parser.error("--threads, --batch, --seq and --repeats must be >= 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device: {exc}")
+    if device.type not in GEMM:
+        parser.error(f"--device: {args.device!r} is neither cpu nor cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     loadavg = "/".join(f"{v:.2f}" for v in os.getloadavg())
 
-    engine = Engine(build_model(), device="cpu")
+    engine = Engine(build_model(), device=device, dtype=dtype)
     model = engine.model
     cfg = model.config
     n = matmul_params(cfg)
@@ -199,21 +236,22 @@ def main() -> None:
     attention = 12 * layers * d * t
     datums = batch(cfg.vocab_size, args.batch, args.seq)
     tokens = args.batch * args.seq
-    limits = Limits()
-    print(f"model: {n / 1e6:.1f}M matmul parameters")
+    limits = Limits(device, dtype)
+    print(f"model: {n / 1e6:.1f}M matmul parameters, {args.dtype} on {device}")
     results: dict[str, Any] = {"n": n, "tokens": tokens}
 
     def report(name: str, seconds: float, per_token: float, peak: float) -> None:
         flops = per_token * tokens / seconds
+        memory = peak_memory_gib(device)
         results[name] = {
             "tok_s": tokens / seconds,
             "mfu": flops / peak,
             "peak": peak,
-            "rss": rss_gib(),
+            "rss": memory,
         }
         print(
             f"{name}: {tokens / seconds:.0f} tokens/s, {flops / 1e9:.1f} GFLOP/s against a peak "
-            f"of {peak / 1e9:.1f}: MFU {flops / peak:.1%}; peak RSS {rss_gib():.2f} GiB"
+            f"of {peak / 1e9:.1f}: MFU {flops / peak:.1%}; peak memory {memory:.2f} GiB"
         )
 
     for name, full in (("lora", False), ("full", True)):
@@ -247,7 +285,8 @@ def main() -> None:
     kv_heads = cfg.num_key_value_heads
     head_dim = d // cfg.num_attention_heads
     mean_ctx = PROMPT_TOKENS + DECODE_TOKENS / 2
-    step_bytes = 4 * n + 2 * layers * kv_heads * head_dim * mean_ctx * 4
+    width = torch.finfo(dtype).bits // 8
+    step_bytes = width * n + 2 * layers * kv_heads * head_dim * mean_ctx * width
     read_bw = limits.read_bandwidth
     results["decode"] = {
         "tok_s": 1 / per_step,
@@ -265,7 +304,11 @@ def main() -> None:
     )
     if args.write:
         command = f".venv/bin/python bench/mfu.py --threads {args.threads} --batch {args.batch} --seq {args.seq} --write"
-        print(f"wrote {write_section(results, command, loadavg, args)}")
+        if device.type == "cuda":
+            command = f"python bench/mfu.py --device cuda --dtype {args.dtype} --batch {args.batch} --seq {args.seq} --write"
+            print(f"wrote {write_gpu_section(results, command, args, device)}")
+        else:
+            print(f"wrote {write_section(results, command, loadavg, args)}")
 
 
 def write_section(r: dict[str, Any], command: str, loadavg: str, args: argparse.Namespace) -> Path:
@@ -276,7 +319,7 @@ torch threads, Python {platform.python_version()}, torch {torch.__version__}, lo
 before the run {loadavg}).
 
 A Qwen2-architecture model built by the benchmark ({r["n"] / 1e6:.1f}M matmul parameters,
-hidden 768, 12 layers), float32, batch {args.batch} x {args.seq} tokens. Each phase is timed
+hidden 768, 12 layers), {args.dtype}, batch {args.batch} x {args.seq} tokens. Each phase is timed
 in rounds interleaved with the machine's limits, the best 2048^3 GEMM on MKL (`torch.mm`) or
 oneDNN's packed matmul, whichever is faster (peak FLOP/s), and
 the best 512 MiB copy (bytes read + written per second) and the best read-only pass over the
@@ -296,6 +339,32 @@ full fine-tuning (AdamW moments for every weight). FLOPs per token: full 6N + 12
 per token.
 """
     return record("MFU on an 85M-parameter model", section, keep_subsections=True)
+
+
+def write_gpu_section(
+    r: dict[str, Any], command: str, args: argparse.Namespace, device: torch.device
+) -> Path:
+    name = torch.cuda.get_device_name(device)
+    section = f"""## MFU on a GPU
+
+Command: `{command}` ({time.strftime("%Y-%m-%d")}, {name}, torch {torch.__version__}).
+
+The same model as the CPU section above ({r["n"] / 1e6:.1f}M matmul parameters), in
+{args.dtype}, batch {args.batch} x {args.seq} tokens; the peak is the best 8192^3 {args.dtype}
+GEMM (`torch.mm`, cuBLAS) and the bandwidth the best 2 GiB device copy, both measured between
+the rounds of each phase.
+
+| Phase | Tokens/s | Fraction of the device's limit | Goal |
+|---|---|---|---|
+| Train, LoRA r16 (all linears) | {r["lora"]["tok_s"]:.0f} | MFU **{r["lora"]["mfu"]:.1%}** of {r["lora"]["peak"] / 1e12:.0f} TFLOP/s | >= 40% |
+| Train, full fine-tuning | {r["full"]["tok_s"]:.0f} | MFU **{r["full"]["mfu"]:.1%}** of {r["full"]["peak"] / 1e12:.0f} TFLOP/s | >= 40% |
+| Prefill (forward only) | {r["prefill"]["tok_s"]:.0f} | MFU {r["prefill"]["mfu"]:.1%} of {r["prefill"]["peak"] / 1e12:.0f} TFLOP/s | |
+| Decode, batch 1 | {r["decode"]["tok_s"]:.1f} | **{r["decode"]["fraction"]:.1%}** of the {r["decode"]["bandwidth"] / 1e9:.0f} GB/s copied ({r["decode"]["rate"] / 1e9:.0f} GB/s read; {r["decode"]["read_fraction"]:.1%} of a read-only pass) | >= 50% |
+
+Peak device memory: {r["lora"]["rss"]:.2f} GiB after LoRA training, {r["full"]["rss"]:.2f} GiB
+after full fine-tuning.
+"""
+    return record("MFU on a GPU", section, keep_subsections=True)
 
 
 if __name__ == "__main__":

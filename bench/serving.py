@@ -34,7 +34,9 @@ Valkey, SQLite in WAL mode; the clients and the in-process baseline run in this 
 ``--repeat`` measures (a), (b) and (c) again on the same stack; figures are medians with their
 range. The load average is printed before and after, since the machine is shared.
 
-Run: ``.venv/bin/python bench/serving.py`` (``--write`` updates docs/benchmarks.md).
+Run: ``.venv/bin/python bench/serving.py`` (``--write`` updates docs/benchmarks.md);
+``--device cuda`` puts the model worker and the in-process sides on the machine's GPU
+(``scripts/gpu_check.sh`` runs it there).
 """
 
 from __future__ import annotations
@@ -418,28 +420,38 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--web-threads", type=int, default=32, help="gunicorn threads")
     parser.add_argument("--repeat", type=int, default=3, help="whole measurements, one stack")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the model worker leases the machine's GPU and the in-process sides run on it",
+    )
     parser.add_argument("--write", action="store_true", help="Update docs/benchmarks.md.")
     args = parser.parse_args()
     if min(args.threads, args.requests, args.max_tokens, args.web_threads, args.repeat) < 1:
         parser.error("every count must be >= 1")
+    if args.write and args.device != "cpu":
+        parser.error("--write records the CPU figures of docs/benchmarks.md; run cuda without it")
     import logging
 
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
     torch.set_num_threads(args.threads)
     # One log line per request from the openai client's HTTP library would drown the figures.
     for name in ("httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     before = f"{os.getloadavg()[0]:.2f}"
     print(f"load average {before}", flush=True)
-    stack = Stack(args.threads, args.web_threads)
+    stack = Stack(args.threads, args.web_threads, device=args.device)
     runs = []
     try:
         stack.start()
         from training.engine import Engine
         from training.model import DEFAULT_BASE_MODEL
 
-        engine = Engine(DEFAULT_BASE_MODEL, "cpu")
+        engine = Engine(DEFAULT_BASE_MODEL, args.device)
         names, keys = make_jobs(engine)
         url, key = stack.url + "v1", stack.key.removeprefix("tml-")
         # Warm-up: the model worker starts and loads every adapter; the engine's first batch.

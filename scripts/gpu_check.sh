@@ -3,14 +3,22 @@
 #
 #   OUT=/tmp/out scripts/gpu_check.sh
 #
-# 1. the engine's GPU tests (pytest -m gpu tests/training: the vLLM sampler among them);
-# 2. bench/tinker_api.py --device cuda (SDK RL step and four clients at once on the GPU);
-# 3. a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
-#    the same translation, parquet files, reward function and process supervision as a job,
-#    without the database), 3 steps of 8 prompts x 4 samples.
+# Steps (ONLY picks some, comma-separated; each has its own time limit):
+#   tests    the engine's GPU tests (pytest -m gpu tests/training: the vLLM sampler among them);
+#   mfu      bench/mfu.py --device cuda: bf16 MFU of LoRA and full training and prefill, decode
+#            against the device's bandwidth (issue goal: training >= 40% on an H200);
+#   serving  bench/serving.py --device cuda: 16 streaming OpenAI clients over 4 policies vs one
+#            policy at a time (goal >= 3x) and vs the in-process sampler (goal >= 0.8x);
+#   tinker   bench/tinker_api.py --device cuda (SDK RL step and four clients at once);
+#   verl     a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
+#            the same translation, parquet files, reward function and process supervision as
+#            a job, without the database), 3 steps of 8 prompts x 4 samples.
+# Every step together can take longer than one device call may (10 minutes): run it as two,
+#   ONLY=tests,mfu,serving scripts/gpu_check.sh   then   ONLY=tinker,verl scripts/gpu_check.sh
 #
 # Settings (environment):
 #   OUT          where the results go (at most 8 files): summary.txt first.
+#   ONLY         the steps to run (default: all of them, in the order above).
 #   PYTHON       interpreter of the project (default .venv/bin/python, else python3).
 #   VERL_PYTHON  interpreter that has verl 0.9.1 + vllm (default: $PYTHON). The job runs
 #                "$VERL_PYTHON -m verl.trainer.main_ppo" through OPENTINKER_VERL_COMMAND.
@@ -26,9 +34,17 @@ VERL_PYTHON=${VERL_PYTHON:-$PYTHON}
 VERL_STEPS=${VERL_STEPS:-3}
 VERL_TIMEOUT=${VERL_TIMEOUT:-420}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DJANGO_SETTINGS_MODULE=opentinker_site.settings.test
+ONLY=${ONLY:-tests,mfu,serving,tinker,verl}
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+for step in ${ONLY//,/ }; do
+  case $step in
+    tests | mfu | serving | tinker | verl) ;;
+    *) note "ONLY: unknown step '$step' (steps: tests, mfu, serving, tinker, verl)"; exit 2 ;;
+  esac
+done
 
 if [ -z "${MODEL_PATH:-}" ]; then
   for candidate in "${HF_HOME:-$HOME/.cache/huggingface}/Qwen2.5-0.5B-Instruct" \
@@ -51,24 +67,49 @@ for name in ("verl", "vllm", "torch", "transformers", "ray"):
         print(name, "not installed")
 EOF
   echo "model: $MODEL_PATH"
-} >"$OUT/env.txt"
-note "env: $(tr '\n' ' ' <"$OUT/env.txt" | cut -c1-400)"
+  echo "steps: $ONLY"
+} >>"$SUMMARY"
+cat "$SUMMARY"
 
-# --- 1. engine GPU tests (vLLM sampler included) --------------------------------------------
-start=$(date +%s)
-timeout 240 "$PYTHON" -m pytest tests/training -m gpu -q -rs -p no:cacheprovider \
-  >"$OUT/engine_gpu_tests.txt" 2>&1
-rc=$?
-note "engine gpu tests: rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/engine_gpu_tests.txt")"
+# --- engine GPU tests (vLLM sampler included) ------------------------------------------------
+if wanted tests; then
+  start=$(date +%s)
+  timeout 180 "$PYTHON" -m pytest tests/training -m gpu -q -rs -p no:cacheprovider \
+    >"$OUT/engine_gpu_tests.txt" 2>&1
+  rc=$?
+  note "engine gpu tests: rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/engine_gpu_tests.txt")"
+fi
 
-# --- 2. Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) ---------
-start=$(date +%s)
-timeout 300 "$PYTHON" bench/tinker_api.py --device cuda --repeat 1 --rounds 3 \
-  >"$OUT/tinker_bench_cuda.txt" 2>&1
-rc=$?
-note "tinker bench cuda: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_cuda.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
+# --- MFU in bf16 on the GPU: 64 x 512 tokens a step, so that matmuls, not launches, decide ---
+if wanted mfu; then
+  start=$(date +%s)
+  timeout 180 "$PYTHON" bench/mfu.py --device cuda --dtype bfloat16 --batch 64 --seq 512 \
+    >"$OUT/mfu_cuda.txt" 2>&1
+  rc=$?
+  note "mfu cuda: rc=$rc in $(( $(date +%s) - start ))s"
+  grep -E '^(model|lora|full|prefill|decode)' "$OUT/mfu_cuda.txt" | tee -a "$SUMMARY"
+fi
 
-# --- 3. GRPO through the verl runner ---------------------------------------------------------
+# --- OpenAI serving on the GPU: the multi-LoRA batch's gain and the serving overhead ---------
+if wanted serving; then
+  start=$(date +%s)
+  timeout 240 "$PYTHON" bench/serving.py --device cuda --repeat 1 \
+    >"$OUT/serving_cuda.txt" 2>&1
+  rc=$?
+  note "serving cuda: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E '^\[1/1\]' "$OUT/serving_cuda.txt" | cut -c1-600)"
+fi
+
+# --- Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) -----------
+if wanted tinker; then
+  start=$(date +%s)
+  timeout 240 "$PYTHON" bench/tinker_api.py --device cuda --repeat 1 --rounds 3 \
+    >"$OUT/tinker_bench_cuda.txt" 2>&1
+  rc=$?
+  note "tinker bench cuda: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_cuda.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
+fi
+
+# --- GRPO through the verl runner --------------------------------------------------------------
+wanted verl || exit 0
 if ! "$VERL_PYTHON" -c 'import verl, vllm' >/dev/null 2>&1; then
   note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm)"
   exit 0
