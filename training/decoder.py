@@ -12,7 +12,11 @@ three calls, `prefill`, `step` and `select`:
   (no concatenation per step), the padding mask is one preallocated boolean table, cos/sin
   are computed once for every position the call can reach, and a decode step attends with
   the query heads of each KV head grouped together, so the cache is never repeated per head
-  and no causal mask is built (one new token sees every cached position).
+  and no causal mask is built (one new token sees every cached position). On the CPU in
+  float32 a layer's query, key and value projections run as one matmul over their weights
+  stacked by rows, and so do the MLP's gate and up (`training.onednn.linear_rows`, LoRA
+  deltas added to each part after): two passes over the weights instead of five, which is
+  what a decode step is bound by.
 - `HFDecoder` calls the model's forward with a `DynamicCache`: any other causal LM.
 
 Both return the same logits up to float32 summation order (tests/training/test_decoder.py:
@@ -30,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from training import vision
+from training import onednn, vision
 from training.kv_cache import KVCache
+from training.lora import MultiLoRALinear
 
 if TYPE_CHECKING:
     from training.lora import LoRAHost
@@ -230,6 +235,23 @@ def _rms_norm(norm: _RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * x32.to(dtype)
 
 
+def _project(h: torch.Tensor, modules: Sequence[Any]) -> list[torch.Tensor]:
+    """``[m(h) for m in modules]``; where oneDNN can (float32 on the CPU, no autograd) the
+    base projections in one matmul over the weights stacked by rows, then each module's
+    routed LoRA deltas on its part."""
+    weights = [m.weight for m in modules]
+    if not all(type(m) in (nn.Linear, MultiLoRALinear) for m in modules) or not all(
+        onednn.usable(h, w) for w in weights
+    ):
+        return [m(h) for m in modules]
+    out = onednn.linear_rows(h, weights, [m.bias for m in modules])
+    parts = out.split([w.shape[0] for w in weights], dim=-1)
+    return [
+        m.add_adapters(h, part) if isinstance(m, MultiLoRALinear) else part
+        for m, part in zip(modules, parts)
+    ]
+
+
 class FusedDecoder:
     """Runs the decoder layers of a Qwen2 / Llama model for prefill and decode (see module)."""
 
@@ -350,9 +372,10 @@ class FusedDecoder:
             for index, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 h = _rms_norm(layer.input_layernorm, x)
-                q = attn.q_proj(h).view(tokens, self.num_heads, self.head_dim)
-                k = attn.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
-                v = attn.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+                q, k, v = _project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
+                q = q.view(tokens, self.num_heads, self.head_dim)
+                k = k.view(tokens, self.num_kv_heads, self.head_dim)
+                v = v.view(tokens, self.num_kv_heads, self.head_dim)
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
                 state.keys[index, :, :, :length] = to_padded(padded_kv, k)
@@ -400,10 +423,11 @@ class FusedDecoder:
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)
+            q, k, v = _project(h, (attn.q_proj, attn.k_proj, attn.v_proj))
             # Query heads grouped by the KV head they read: (B, kv_heads, group, D).
-            q = attn.q_proj(h).view(batch, self.num_kv_heads, self.group, self.head_dim)
-            k = attn.k_proj(h).view(batch, self.num_kv_heads, 1, self.head_dim)
-            v = attn.v_proj(h).view(batch, self.num_kv_heads, 1, self.head_dim)
+            q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+            k = k.view(batch, self.num_kv_heads, 1, self.head_dim)
+            v = v.view(batch, self.num_kv_heads, 1, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = state.keys[index], state.values[index]
@@ -444,9 +468,10 @@ class FusedDecoder:
     def _mlp(layer: Any, x: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         h = _rms_norm(layer.post_attention_layernorm, x)
-        hidden = mlp.act_fn(mlp.gate_proj(h))
+        gate, up = _project(h, (mlp.gate_proj, mlp.up_proj))
+        hidden = mlp.act_fn(gate)
         # The activation returns a new tensor: scale it in place when no graph is recorded.
-        hidden = hidden * mlp.up_proj(h) if torch.is_grad_enabled() else hidden.mul_(mlp.up_proj(h))
+        hidden = hidden * up if torch.is_grad_enabled() else hidden.mul_(up)
         return mlp.down_proj(hidden)
 
     def _logits(self, x_B_1_H: torch.Tensor) -> torch.Tensor:

@@ -141,10 +141,17 @@ class MultiLoRALinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = onednn.linear(x, self.weight, self.bias)
+        return self.add_adapters(x, onednn.linear(x, self.weight, self.bias))
+
+    def add_adapters(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out``, the base projection of ``x`` (computed here or, stacked with other
+        modules', by the caller), plus the deltas of the adapters routed to ``x``'s rows."""
         groups = self._state.groups
         if not groups:
             return out
+        if not out.is_contiguous():
+            # A slice of a stacked projection: the batched path adds into a view of it.
+            out = out.contiguous()
         if x.shape[0] != self._state.num_rows:
             raise RuntimeError(
                 f"{self.name}: batch has {x.shape[0]} rows but the route names "

@@ -111,12 +111,48 @@ def assert_nothing_left(job_id: str, segments_before: set[str]) -> None:
     assert left() == []
 
 
+def story(job_id: str, worker: Any) -> str:
+    """What a wait that timed out leaves to read: the machine's load, the job's row and
+    events, the tail of each attempt's verl log and of the worker's."""
+    from django.conf import settings
+
+    meminfo = Path("/proc/meminfo")
+    available = [line for line in meminfo.read_text().splitlines() if "MemAvailable" in line]
+    job = Job.objects.filter(pk=job_id).first()
+    events = list(
+        JobEvent.objects.filter(job_id=job_id).order_by("pk").values_list("message", flat=True)
+    )
+    parts = [
+        f"load average {os.getloadavg()}, {' '.join(available)}",
+        f"job: {job and job.state} attempt {job and job.attempt} step {job and job.current_step}"
+        f" error {job and job.error_message!r}",
+        "events: " + " | ".join(events[-30:]),
+        f"processes of its verl tree: {len(job_processes(job_id))}",
+    ]
+    for log in sorted(Path(settings.OPENTINKER_DATA_DIR, "jobs", job_id).rglob("trainer.log")):
+        parts.append(f"--- {log} ---\n{log.read_text(errors='replace')[-4000:]}")
+    parts.append(f"--- worker ---\n{worker.log()[-3000:]}")
+    return "\n".join(parts)
+
+
+def wait_on_job(
+    job_id: str, worker: Any, predicate: Any, timeout: float, what: str, interval: float
+) -> None:
+    """`wait_for`, with the job's story in the error when it times out."""
+    try:
+        wait_for(predicate, timeout, what, interval=interval)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{story(job_id, worker)}") from None
+
+
 def run_job(
     client: APIClient, worker: Any, spec: dict[str, Any], job_id: str | None = None
 ) -> tuple[str, float]:
     started = time.monotonic()
     job_id = job_id or submit(client, spec)
-    wait_for(
+    wait_on_job(
+        job_id,
+        worker,
         lambda: Job.objects.filter(pk=job_id, state__in=FINAL).exists(),
         600,
         "the verl job to end",
@@ -127,9 +163,11 @@ def run_job(
     return job_id, time.monotonic() - started
 
 
-def wait_for_checkpoint(job_id: str, step: int) -> None:
+def wait_for_checkpoint(job_id: str, step: int, worker: Any) -> None:
     """Until verl's `global_step_<step>` is indexed (or the job ended)."""
-    wait_for(
+    wait_on_job(
+        job_id,
+        worker,
         lambda: (
             JobEvent.objects.filter(
                 job_id=job_id, message=f"verl saved checkpoint global_step_{step}"
@@ -253,7 +291,7 @@ def test_a_verl_lora_job_survives_a_killed_worker_and_hands_back_a_peft_adapter(
     worker = trainer()
     started = time.monotonic()
     job_id = submit(owner_client, verl_spec(addition_dataset, steps=steps))
-    wait_for_checkpoint(job_id, 2)
+    wait_for_checkpoint(job_id, 2, worker)
     assert Job.objects.get(pk=job_id).state == JobState.RUNNING, worker.log()[-3000:]
     first_tree = job_processes(job_id)
     worker.kill()
@@ -321,7 +359,9 @@ def test_cancelling_a_running_verl_job_stops_its_whole_tree(
     segments_before = shm_segments()
     worker = trainer()
     job_id = submit(owner_client, verl_spec(addition_dataset, steps=20, checkpoint_every=0))
-    wait_for(
+    wait_on_job(
+        job_id,
+        worker,
         lambda: (
             JobMetric.objects.filter(job_id=job_id, name="loss").exists()
             or Job.objects.filter(pk=job_id, state__in=FINAL).exists()

@@ -40,9 +40,31 @@ def test_it_repacks_a_weight_changed_in_place_and_forgets_a_freed_one():
         first = onednn.linear(x, weight, None)
         weight.mul_(-3.0)
         _close(onednn.linear(x, weight, None), first * -3.0)
-    key = id(weight)
+    key = (id(weight),)
     assert key in onednn._packed
     del weight
+    gc.collect()
+    assert key not in onednn._packed
+
+
+def test_stacked_rows_equal_the_projections_side_by_side_and_follow_their_changes():
+    # A layer's query, key and value: unequal heights, biases on two of the three.
+    weights = [torch.randn(40, 96), torch.randn(16, 96), torch.randn(16, 96)]
+    biases = [torch.randn(40), None, torch.randn(16)]
+    x = torch.randn(5, 1, 96)
+
+    def side_by_side() -> torch.Tensor:
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+    with torch.no_grad():
+        _close(onednn.linear_rows(x, weights, biases), side_by_side())
+        # Full fine-tuning changes weights and biases in place: both are repacked.
+        weights[1].mul_(-2.0)
+        biases[2].add_(1.0)
+        _close(onednn.linear_rows(x, weights, biases), side_by_side())
+    key = tuple(id(w) for w in weights)
+    assert key in onednn._packed
+    del weights[1]  # one of them freed: the stacked copy goes with it
     gc.collect()
     assert key not in onednn._packed
 
