@@ -32,7 +32,8 @@ import torch.nn.functional as F
 # ids of the packed weights -> (their versions when packed, weak references, packed weight)
 _Entry = tuple[tuple[int, ...], list[weakref.ref[torch.Tensor]], torch.Tensor]
 _packed: dict[tuple[int, ...], _Entry] = {}
-# ("bias", ids of the biases) -> (their versions, the biases stacked, zeros where one is None)
+# ("bias", ids of the weights and biases) -> (the biases' versions, the biases stacked, zeros
+# where one is None)
 _biases: dict[tuple[object, ...], tuple[tuple[int, ...], torch.Tensor]] = {}
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -105,7 +106,9 @@ def _stacked_bias(
 ) -> torch.Tensor | None:
     if all(b is None for b in biases):
         return None
-    key = ("bias", *(id(b) for b in biases if b is not None))
+    # The weights' ids too: where a bias is missing, its part's height comes from the weight.
+    owners = [*weights, *(b for b in biases if b is not None)]
+    key = ("bias", *(id(w) for w in weights), *(id(b) if b is not None else 0 for b in biases))
     versions = tuple(b._version for b in biases if b is not None)
     entry = _biases.get(key)
     if entry is not None and entry[0] == versions:
@@ -117,9 +120,8 @@ def _stacked_bias(
         fresh = key not in _biases
         _biases[key] = (versions, stacked)
         if fresh:
-            for b in biases:
-                if b is not None:
-                    weakref.finalize(b, _biases.pop, key, None)
+            for owner in owners:
+                weakref.finalize(owner, _biases.pop, key, None)
     return stacked
 
 

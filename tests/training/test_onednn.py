@@ -63,10 +63,11 @@ def test_stacked_rows_equal_the_projections_side_by_side_and_follow_their_change
         biases[2].add_(1.0)
         _close(onednn.linear_rows(x, weights, biases), side_by_side())
     key = tuple(id(w) for w in weights)
-    assert key in onednn._packed
-    del weights[1]  # one of them freed: the stacked copy goes with it
+    bias_key = ("bias", *key, *(id(b) if b is not None else 0 for b in biases))
+    assert key in onednn._packed and bias_key in onednn._biases
+    del weights[1]  # one of them freed: the stacked copies go with it
     gc.collect()
-    assert key not in onednn._packed
+    assert key not in onednn._packed and bias_key not in onednn._biases
 
 
 def test_it_leaves_autograd_and_other_dtypes_to_f_linear():
