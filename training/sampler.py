@@ -78,24 +78,26 @@ def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def placeholder_ids(model: Any) -> list[int]:
-    """The image and video placeholder ids of a vision-language model (none for a text
-    model): prompt positions the vision tower fills, never a token to generate. A sampled
-    placeholder would be taken for an image's place the next time the sequence is read."""
+def placeholder_ids(model: Any) -> torch.Tensor | None:
+    """The image and video placeholder ids of a vision-language model, on its device (None
+    for a text model): prompt positions the vision tower fills, never a token to generate.
+    A sampled placeholder would be taken for an image's place the next time the sequence is
+    read."""
     if not vision.is_vision_model(model):
-        return []
+        return None
     config = model.config
     vocab = int(config.get_text_config().vocab_size)
     ids = {getattr(config, name, None) for name in ("image_token_id", "video_token_id")}
-    return sorted(int(i) for i in ids if i is not None and 0 <= int(i) < vocab)
+    kept = sorted(int(i) for i in ids if i is not None and 0 <= int(i) < vocab)
+    device = next(model.parameters()).device
+    return torch.tensor(kept, device=device) if kept else None
 
 
-def banned(logits_B_V: torch.Tensor, ids: list[int]) -> torch.Tensor:
+def banned(logits_B_V: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """``logits_B_V`` with the tokens ``ids`` made impossible to choose (a copy if any)."""
-    if not ids:
+    if ids is None:
         return logits_B_V
-    index = torch.tensor(ids, device=logits_B_V.device)
-    return logits_B_V.index_fill(-1, index, float("-inf"))
+    return logits_B_V.index_fill(-1, ids, float("-inf"))
 
 
 def _row_generator(

@@ -24,6 +24,7 @@ from environments.registry import build_group, get_env, group_specs, shows_image
 from environments.types import Interaction
 from jobs.spec import JobSpec
 from workers.runners.verl_agent_loop import AGENT_NAME
+from workers.runners.verl_merge import VISION_TOWER_MODULES
 
 REWARD_FILE = Path(__file__).resolve().with_name("verl_reward.py")
 
@@ -445,11 +446,6 @@ def vision_overrides(spec: JobSpec) -> dict[str, Any]:
         # the vision tower, so an adapter there would train what the rollout never samples.
         o[f"{a}.model.exclude_modules"] = VISION_TOWER_MODULES
     return o
-
-
-# peft's exclude_modules (a regex matched against the whole module name): Qwen2-VL,
-# Qwen2.5-VL and Qwen3-VL keep their vision tower under `visual`.
-VISION_TOWER_MODULES = ".*visual.*"
 
 
 def build_sft_overrides(

@@ -21,8 +21,10 @@ from typing import Any
 
 SHARD = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt$")
 PEFT_PREFIX = "base_model.model."
-# The vision tower of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (as workers.runners.verl_config keeps
-# LoRA off it): an adapter's bare target names (`gate_proj`) would match its layers too.
+# peft's exclude_modules (a regex matched against the whole module name) for the vision tower
+# of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, which keep it under `visual`: the verl runner keeps
+# LoRA off it (verl_config), and an exported adapter's bare target names (`gate_proj`) would
+# match its layers too.
 VISION_TOWER_MODULES = ".*visual.*"
 
 
