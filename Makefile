@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: java demo serve test test-fast test-embedded test-engine test-services test-verl test-verl-multinode install model datasets bench lint clean verl-env
+.PHONY: java demo serve test test-fast test-embedded test-engine test-services test-verl test-verl-multinode install model datasets bench lint clean verl-env gpu-bundle
 
 demo: install
 	$(PY) manage.py demo
@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml
 # unchanged pins does nothing. The path follows OPENTINKER_VERL_VENV when that is set.
 verl-env:
 	bash scripts/build_verl_env.sh
+
+# The service's packages for a lent GPU machine's bare Python 3.12 (scripts/gpu_check.sh).
+gpu-bundle: install
+	$(PY) scripts/gpu_bundle.py
 
 # Java 17 for the scienceworld environment (a Debian package; needs root or sudo).
 java:

@@ -16,6 +16,14 @@
 # Every step together can take longer than one device call may (10 minutes): run it as two,
 #   ONLY=tests,mfu,serving scripts/gpu_check.sh   then   ONLY=tinker,verl scripts/gpu_check.sh
 #
+# A GPU machine lent for a short check has PyTorch with CUDA and the Hugging Face stack but
+# not the service's packages, and reaches no index. Build them here first,
+#   make gpu-bundle        (scripts/gpu_bundle.py -> .gpu/site-cp312.tar.xz, ~21 MB)
+# and carry `.gpu` in the call; this script unpacks the bundle for its Python when that
+# Python cannot import Django. verl, vLLM and Ray are not in the image and are far larger than
+# a call may carry (vLLM's wheel alone is several hundred MB), so the verl step and the vLLM
+# sampler test skip there and say so; they run on a GPU machine of one's own.
+#
 # Settings (environment):
 #   OUT          where the results go (at most 8 files): summary.txt first.
 #   ONLY         the steps to run (default: all of them, in the order above).
@@ -25,6 +33,9 @@
 #   MODEL_PATH   local model directory (default: Qwen2.5-0.5B-Instruct under $HF_HOME or
 #                ~/models if present, else the bundled models/tiny-chat). No network needed.
 #   VERL_STEPS   GRPO steps (default 3).  VERL_TIMEOUT  seconds for the job (default 420).
+#   DEVICE       cuda (default); cpu rehearses every step here at small sizes, to check that
+#                a bare Python with the image's packages plus the bundle runs them.
+#   GPU_BUNDLE_DIR  where scripts/gpu_bundle.py put the bundle (default .gpu).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/var/gpu_check}
@@ -35,9 +46,36 @@ VERL_STEPS=${VERL_STEPS:-3}
 VERL_TIMEOUT=${VERL_TIMEOUT:-420}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DJANGO_SETTINGS_MODULE=opentinker_site.settings.test
 ONLY=${ONLY:-tests,mfu,serving,tinker,verl}
+DEVICE=${DEVICE:-cuda}
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+case $DEVICE in
+  cuda)
+    MFU_ARGS="--device cuda --dtype bfloat16 --batch 64 --seq 512"
+    SERVING_ARGS="--device cuda --repeat 1"
+    TINKER_ARGS="--device cuda --repeat 1 --rounds 3" ;;
+  cpu)
+    MFU_ARGS="--device cpu --threads 2 --batch 2 --seq 64 --repeats 1"
+    SERVING_ARGS="--device cpu --repeat 1 --requests 1 --max-tokens 16"
+    TINKER_ARGS="--device cpu --repeat 1 --rounds 1 --sft-rounds 1 --sft-steps 2 --four-steps 2" ;;
+  *) note "DEVICE: expected cuda or cpu, got '$DEVICE'"; exit 2 ;;
+esac
+
+# The service's packages, when this Python lacks them (a lent machine's image): the bundle
+# that scripts/gpu_bundle.py built for this Python's version.
+if ! "$PYTHON" -c 'import django' >/dev/null 2>&1; then
+  tag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  bundle=${GPU_BUNDLE_DIR:-.gpu}/site-$tag.tar.xz
+  if [ -f "$bundle" ]; then
+    site=${TMPDIR:-/tmp}/opentinker-site-$tag
+    rm -rf "$site" && mkdir -p "$site" && tar -xJf "$bundle" -C "$site" || exit 2
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    note "packages: unpacked $bundle into $site"
+  else
+    note "packages: $PYTHON cannot import django and there is no $bundle: run scripts/gpu_bundle.py here and carry .gpu"
+  fi
+fi
 wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 for step in ${ONLY//,/ }; do
   case $step in
@@ -83,35 +121,39 @@ fi
 # --- MFU in bf16 on the GPU: 64 x 512 tokens a step, so that matmuls, not launches, decide ---
 if wanted mfu; then
   start=$(date +%s)
-  timeout 180 "$PYTHON" bench/mfu.py --device cuda --dtype bfloat16 --batch 64 --seq 512 \
-    >"$OUT/mfu_cuda.txt" 2>&1
+  timeout 180 "$PYTHON" bench/mfu.py $MFU_ARGS \
+    >"$OUT/mfu_$DEVICE.txt" 2>&1
   rc=$?
-  note "mfu cuda: rc=$rc in $(( $(date +%s) - start ))s"
-  grep -E '^(model|lora|full|prefill|decode)' "$OUT/mfu_cuda.txt" | tee -a "$SUMMARY"
+  note "mfu $DEVICE: rc=$rc in $(( $(date +%s) - start ))s"
+  grep -E '^(model|lora|full|prefill|decode)' "$OUT/mfu_$DEVICE.txt" | tee -a "$SUMMARY"
 fi
 
 # --- OpenAI serving on the GPU: the multi-LoRA batch's gain and the serving overhead ---------
 if wanted serving; then
   start=$(date +%s)
-  timeout 240 "$PYTHON" bench/serving.py --device cuda --repeat 1 \
-    >"$OUT/serving_cuda.txt" 2>&1
+  timeout 240 "$PYTHON" bench/serving.py $SERVING_ARGS \
+    >"$OUT/serving_$DEVICE.txt" 2>&1
   rc=$?
-  note "serving cuda: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E '^\[1/1\]' "$OUT/serving_cuda.txt" | cut -c1-600)"
+  note "serving $DEVICE: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | cut -c1-600)"
 fi
 
 # --- Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) -----------
 if wanted tinker; then
   start=$(date +%s)
-  timeout 240 "$PYTHON" bench/tinker_api.py --device cuda --repeat 1 --rounds 3 \
-    >"$OUT/tinker_bench_cuda.txt" 2>&1
+  timeout 240 "$PYTHON" bench/tinker_api.py $TINKER_ARGS \
+    >"$OUT/tinker_bench_$DEVICE.txt" 2>&1
   rc=$?
-  note "tinker bench cuda: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_cuda.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
+  note "tinker bench $DEVICE: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_$DEVICE.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
 fi
 
 # --- GRPO through the verl runner --------------------------------------------------------------
 wanted verl || exit 0
+if [ "$DEVICE" != cuda ]; then
+  note "verl job: SKIPPED: DEVICE=$DEVICE (verl on the CPU is tests/e2e/test_verl_real.py's, in its own venv)"
+  exit 0
+fi
 if ! "$VERL_PYTHON" -c 'import verl, vllm' >/dev/null 2>&1; then
-  note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm)"
+  note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm; a lent machine has neither, and they are too large to carry)"
   exit 0
 fi
 export OPENTINKER_VERL_COMMAND="$VERL_PYTHON -m verl.trainer.main_ppo"

@@ -30,6 +30,7 @@ LIVE_DIRECTORIES = {"e2e"}
 # driving pages whose queries and Redis calls the control-plane tests run in both passes.
 ONCE_PATHS = (
     "architecture/",
+    "deploy/test_gpu_check.py",
     "client/test_isolated_install.py",
     "workers/test_verl_compose.py",
     "e2e/test_verl_real.py",
