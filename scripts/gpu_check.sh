@@ -3,7 +3,8 @@
 #
 #   OUT=/tmp/out scripts/gpu_check.sh
 #
-# Steps (ONLY picks some, comma-separated; each has its own time limit):
+# Steps (ONLY picks some, comma-separated, run in the order given; each has its own time limit,
+# cut to what is left of BUDGET):
 #   tests    the engine's GPU tests (pytest -m gpu tests/training: the vLLM sampler among them);
 #   mfu      bench/mfu.py --device cuda: bf16 MFU of LoRA and full training and prefill, decode
 #            against the device's bandwidth (issue goal: training >= 40% on an H200);
@@ -13,8 +14,10 @@
 #   verl     a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
 #            the same translation, parquet files, reward function and process supervision as
 #            a job, without the database), 3 steps of 8 prompts x 4 samples.
-# Every step together can take longer than one device call may (10 minutes): run it as two,
-#   ONLY=tests,mfu,serving scripts/gpu_check.sh   then   ONLY=tinker,verl scripts/gpu_check.sh
+# Every step together can take longer than one device call may (10 minutes): BUDGET (570 s by
+# default) ends the run in time, a step that would start with under 30 s left is skipped and
+# said so, and ONLY's order puts the figures wanted most first (default: mfu, serving, tinker,
+# tests, verl). What a step wrote before its limit stays under $OUT.
 #
 # A GPU machine lent for a short check has PyTorch with CUDA and the Hugging Face stack but
 # not the service's packages, and reaches no index. Build them here first,
@@ -26,7 +29,8 @@
 #
 # Settings (environment):
 #   OUT          where the results go (at most 8 files): summary.txt first.
-#   ONLY         the steps to run (default: all of them, in the order above).
+#   ONLY         the steps to run, in this order (default mfu,serving,tinker,tests,verl).
+#   BUDGET       seconds for all of them (default 570: one device call's 600 s, less a margin).
 #   PYTHON       interpreter of the project (default .venv/bin/python, else python3).
 #   VERL_PYTHON  interpreter that has verl 0.9.1 + vllm (default: $PYTHON). The job runs
 #                "$VERL_PYTHON -m verl.trainer.main_ppo" through OPENTINKER_VERL_COMMAND.
@@ -45,8 +49,10 @@ VERL_PYTHON=${VERL_PYTHON:-$PYTHON}
 VERL_STEPS=${VERL_STEPS:-3}
 VERL_TIMEOUT=${VERL_TIMEOUT:-420}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DJANGO_SETTINGS_MODULE=opentinker_site.settings.test
-ONLY=${ONLY:-tests,mfu,serving,tinker,verl}
+ONLY=${ONLY:-mfu,serving,tinker,tests,verl}
 DEVICE=${DEVICE:-cuda}
+BUDGET=${BUDGET:-570}
+T0=$(date +%s)
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -60,6 +66,9 @@ case $DEVICE in
     SERVING_ARGS="--device cpu --repeat 1 --requests 1 --max-tokens 16"
     TINKER_ARGS="--device cpu --repeat 1 --rounds 1 --sft-rounds 1 --sft-steps 2 --four-steps 2" ;;
   *) note "DEVICE: expected cuda or cpu, got '$DEVICE'"; exit 2 ;;
+esac
+case $BUDGET in
+  '' | *[!0-9]*) note "BUDGET: expected whole seconds, got '$BUDGET'"; exit 2 ;;
 esac
 
 # The service's packages, when this Python lacks them (a lent machine's image): the bundle
@@ -76,7 +85,6 @@ if ! "$PYTHON" -c 'import django' >/dev/null 2>&1; then
     note "packages: $PYTHON cannot import django and there is no $bundle: run scripts/gpu_bundle.py here and carry .gpu"
   fi
 fi
-wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 for step in ${ONLY//,/ }; do
   case $step in
     tests | mfu | serving | tinker | verl) ;;
@@ -109,57 +117,51 @@ EOF
 } >>"$SUMMARY"
 cat "$SUMMARY"
 
+# Each step's time limit, cut to what is left of BUDGET seconds since the start.
+limit() {
+  local left=$((BUDGET - ($(date +%s) - T0)))
+  echo $(($1 < left ? $1 : left))
+}
+
 # --- engine GPU tests (vLLM sampler included) ------------------------------------------------
-if wanted tests; then
-  start=$(date +%s)
-  timeout 180 "$PYTHON" -m pytest tests/training -m gpu -q -rs -p no:cacheprovider \
+step_tests() {
+  timeout "$(limit 180)" "$PYTHON" -m pytest tests/training -m gpu -q -rs -p no:cacheprovider \
     >"$OUT/engine_gpu_tests.txt" 2>&1
-  rc=$?
-  note "engine gpu tests: rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$OUT/engine_gpu_tests.txt")"
-fi
+  note "engine gpu tests: rc=$? in $(($(date +%s) - start))s: $(tail -n 1 "$OUT/engine_gpu_tests.txt")"
+}
 
 # --- MFU in bf16 on the GPU: 64 x 512 tokens a step, so that matmuls, not launches, decide ---
-if wanted mfu; then
-  start=$(date +%s)
-  timeout 180 "$PYTHON" bench/mfu.py $MFU_ARGS \
-    >"$OUT/mfu_$DEVICE.txt" 2>&1
-  rc=$?
-  note "mfu $DEVICE: rc=$rc in $(( $(date +%s) - start ))s"
+step_mfu() {
+  timeout "$(limit 180)" "$PYTHON" bench/mfu.py $MFU_ARGS >"$OUT/mfu_$DEVICE.txt" 2>&1
+  note "mfu $DEVICE: rc=$? in $(($(date +%s) - start))s"
   grep -E '^(model|lora|full|prefill|decode)' "$OUT/mfu_$DEVICE.txt" | tee -a "$SUMMARY"
-fi
+}
 
 # --- OpenAI serving on the GPU: the multi-LoRA batch's gain and the serving overhead ---------
-if wanted serving; then
-  start=$(date +%s)
-  timeout 240 "$PYTHON" bench/serving.py $SERVING_ARGS \
-    >"$OUT/serving_$DEVICE.txt" 2>&1
-  rc=$?
-  note "serving $DEVICE: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | cut -c1-600)"
-fi
+step_serving() {
+  timeout "$(limit 240)" "$PYTHON" bench/serving.py $SERVING_ARGS >"$OUT/serving_$DEVICE.txt" 2>&1
+  note "serving $DEVICE: rc=$? in $(($(date +%s) - start))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | cut -c1-600)"
+}
 
 # --- Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) -----------
-if wanted tinker; then
-  start=$(date +%s)
-  timeout 240 "$PYTHON" bench/tinker_api.py $TINKER_ARGS \
-    >"$OUT/tinker_bench_$DEVICE.txt" 2>&1
-  rc=$?
-  note "tinker bench $DEVICE: rc=$rc in $(( $(date +%s) - start ))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_$DEVICE.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
-fi
+step_tinker() {
+  timeout "$(limit 240)" "$PYTHON" bench/tinker_api.py $TINKER_ARGS >"$OUT/tinker_bench_$DEVICE.txt" 2>&1
+  note "tinker bench $DEVICE: rc=$? in $(($(date +%s) - start))s: $(grep -E 'ratio|x ' "$OUT/tinker_bench_$DEVICE.txt" | tail -n 4 | tr '\n' ' ' | cut -c1-300)"
+}
 
 # --- GRPO through the verl runner --------------------------------------------------------------
-wanted verl || exit 0
-if [ "$DEVICE" != cuda ]; then
-  note "verl job: SKIPPED: DEVICE=$DEVICE (verl on the CPU is tests/e2e/test_verl_real.py's, in its own venv)"
-  exit 0
-fi
-if ! "$VERL_PYTHON" -c 'import verl, vllm' >/dev/null 2>&1; then
-  note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm; a lent machine has neither, and they are too large to carry)"
-  exit 0
-fi
-export OPENTINKER_VERL_COMMAND="$VERL_PYTHON -m verl.trainer.main_ppo"
-start=$(date +%s)
-timeout $((VERL_TIMEOUT + 60)) "$PYTHON" - "$OUT" "$MODEL_PATH" "$VERL_STEPS" "$VERL_TIMEOUT" \
-  >"$OUT/verl_job.txt" 2>&1 <<'EOF'
+step_verl() {
+  if [ "$DEVICE" != cuda ]; then
+    note "verl job: SKIPPED: DEVICE=$DEVICE (verl on the CPU is tests/e2e/test_verl_real.py's, in its own venv)"
+    return
+  fi
+  if ! "$VERL_PYTHON" -c 'import verl, vllm' >/dev/null 2>&1; then
+    note "verl job: SKIPPED: $VERL_PYTHON cannot import verl and vllm (pip install .[verl] vllm; a lent machine has neither, and they are too large to carry)"
+    return
+  fi
+  export OPENTINKER_VERL_COMMAND="$VERL_PYTHON -m verl.trainer.main_ppo"
+  timeout "$(limit $((VERL_TIMEOUT + 60)))" "$PYTHON" - "$OUT" "$MODEL_PATH" "$VERL_STEPS" "$VERL_TIMEOUT" \
+    >"$OUT/verl_job.txt" 2>&1 <<'EOF'
 import json, sys, threading, time
 from pathlib import Path
 
@@ -218,8 +220,18 @@ print("--- trainer tail ---\n" + "\n".join(result.tail), flush=True)
 ok = result.returncode == 0 and result.last_step == steps and result.checkpoints
 sys.exit(0 if ok else 1)
 EOF
-rc=$?
-note "verl job: rc=$rc in $(( $(date +%s) - start ))s: $(grep '^\[result\]' "$OUT/verl_job.txt" | tail -n 1)"
-grep '^\[metrics\]' "$OUT/verl_job.txt" | tee -a "$SUMMARY"
-tail -c 200000 "$OUT/work/verl/trainer.log" >"$OUT/verl_trainer_tail.log" 2>/dev/null || true
-rm -rf "$OUT/work"
+  note "verl job: rc=$? in $(($(date +%s) - start))s: $(grep '^\[result\]' "$OUT/verl_job.txt" | tail -n 1)"
+  grep '^\[metrics\]' "$OUT/verl_job.txt" | tee -a "$SUMMARY"
+  tail -c 200000 "$OUT/work/verl/trainer.log" >"$OUT/verl_trainer_tail.log" 2>/dev/null || true
+  rm -rf "$OUT/work"
+}
+
+# In the order ONLY names them, so that the figures wanted most come first.
+for step in ${ONLY//,/ }; do
+  if [ $((BUDGET - ($(date +%s) - T0))) -lt 30 ]; then
+    note "$step: SKIPPED: less than 30 s left of BUDGET=$BUDGET"
+    continue
+  fi
+  start=$(date +%s)
+  "step_$step"
+done

@@ -57,6 +57,10 @@ def test_gpu_check_refuses_an_unknown_device_or_step_before_doing_anything(tmp_p
     assert result.returncode == 2
     assert "DEVICE: expected cuda or cpu, got 'tpu'" in result.stdout
 
+    result = _check(tmp_path, BUDGET="9m")
+    assert result.returncode == 2
+    assert "BUDGET: expected whole seconds, got '9m'" in result.stdout
+
     result = _check(tmp_path, ONLY="mfu,bogus")
     assert result.returncode == 2
     assert "ONLY: unknown step 'bogus'" in result.stdout
