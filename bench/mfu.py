@@ -141,6 +141,9 @@ class Limits:
         self.flops = 0.0
         self.bandwidth = 0.0
         self.read_bandwidth = 0.0
+        # The device memory these buffers hold throughout, which a phase's own peak excludes.
+        self.held = sum(t.numel() * t.element_size() for t in (self.a, self.b, self.src, self.dst))
+        self.phase_peak = 0
 
     def measure(self) -> None:
         gemm = best_time(lambda: torch.mm(self.a, self.b), 2, self.device)
@@ -163,11 +166,18 @@ class Limits:
     def phase(self, fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
         """(best seconds of ``fn``, peak FLOP/s, bandwidth) over interleaved rounds."""
         self.flops = self.bandwidth = self.read_bandwidth = 0.0
+        self.phase_peak = 0
         fn()
         times = []
         for _ in range(repeats):
             self.measure()
+            if self.device.type == "cuda":
+                # The peak of ``fn`` alone, not of the GEMM and copy measured between rounds.
+                torch.cuda.reset_peak_memory_stats(self.device)
             times.append(timed(fn, self.device))
+            if self.device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(self.device) - self.held
+                self.phase_peak = max(self.phase_peak, peak)
         self.measure()
         return min(times), self.flops, self.bandwidth
 
@@ -183,10 +193,11 @@ def matmul_params(cfg: Any) -> int:
     return layers * per_layer + cfg.vocab_size * d
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """The process's peak RSS on the CPU; the device's peak allocation on a GPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+def peak_memory_gib(limits: Limits) -> float:
+    """The process's peak RSS on the CPU; on a GPU, the device's peak allocation during the
+    last phase's timed rounds, less the benchmark's own buffers."""
+    if limits.device.type == "cuda":
+        return limits.phase_peak / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -242,7 +253,7 @@ def main() -> None:
 
     def report(name: str, seconds: float, per_token: float, peak: float) -> None:
         flops = per_token * tokens / seconds
-        memory = peak_memory_gib(device)
+        memory = peak_memory_gib(limits)
         results[name] = {
             "tok_s": tokens / seconds,
             "mfu": flops / peak,

@@ -57,6 +57,16 @@ LR = 4e-3
 DEVICE = "cpu"
 
 
+def _now() -> float:
+    """The time once this process's queued device work is done: on a GPU the last in-process
+    optimizer step would otherwise still be running when the clock is read."""
+    if DEVICE != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _prompt_ids(tokenizer: Any) -> list[int]:
     from training.data import bandit_prompt
 
@@ -165,13 +175,13 @@ def bench_rl_step(url: str, key: str, group: int, max_tokens: int, rounds: int, 
     local_step()
     sdk_times, local_times, ratios, sdk_tokens, local_tokens = [], [], [], 0, 0
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = _now()
         for _ in range(steps):
             sdk_tokens += sdk_step()
-        t1 = time.perf_counter()
+        t1 = _now()
         for _ in range(steps):
             local_tokens += local_step()
-        t2 = time.perf_counter()
+        t2 = _now()
         sdk_times.append((t1 - t0) / steps)
         local_times.append((t2 - t1) / steps)
         ratios.append(sdk_times[-1] / local_times[-1])
@@ -179,7 +189,7 @@ def bench_rl_step(url: str, key: str, group: int, max_tokens: int, rounds: int, 
     # gradients): the fixed cost each SDK call pays (HTTP submit, queue, long poll).
     trips = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = _now()
         training.optim_step(types.AdamParams(learning_rate=0.0)).result()
         trips.append(time.perf_counter() - t0)
     return {
@@ -250,13 +260,13 @@ def bench_sft(url: str, key: str, rounds: int, steps: int, batch: int, length: i
     sdk_step(), local_step()  # warm-up
     sdk_times, local_times, ratios = [], [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = _now()
         for _ in range(steps):
             sdk_step()
-        t1 = time.perf_counter()
+        t1 = _now()
         for _ in range(steps):
             local_step()
-        t2 = time.perf_counter()
+        t2 = _now()
         sdk_times.append((t1 - t0) / steps)
         local_times.append((t2 - t1) / steps)
         ratios.append(sdk_times[-1] / local_times[-1])
@@ -329,11 +339,11 @@ def bench_engine_batching(batch: int, rounds: int) -> dict:
     apart(), together()  # warm-up
     ratios, one_client = [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = _now()
         apart()
-        t1 = time.perf_counter()
+        t1 = _now()
         together()
-        t2 = time.perf_counter()
+        t2 = _now()
         ratios.append((t1 - t0) / (t2 - t1))
         one_client.append((t1 - t0) / 4)
     return {"ratio": statistics.median(ratios), "one_client_s": statistics.median(one_client)}
@@ -372,12 +382,12 @@ def bench_four_clients(url: str, key: str, steps: int, batch: int) -> dict:
 
     for c in range(4):
         run(c, 1)  # warm-up
-    t0 = time.perf_counter()
+    t0 = _now()
     for c in range(4):
         run(c, steps)
     sequential = time.perf_counter() - t0
     threads = [threading.Thread(target=run, args=(c, steps)) for c in range(4)]
-    t0 = time.perf_counter()
+    t0 = _now()
     for t in threads:
         t.start()
     for t in threads:

@@ -114,12 +114,22 @@ class Stack:
         )
         if self.device == "cpu":
             env.update(OPENTINKER_CPU_SLOTS="1", OPENTINKER_GPUS="", CUDA_VISIBLE_DEVICES="")
+        else:
+            # The device the in-process side uses, named, rather than found by nvidia-smi.
+            index = self.device.partition(":")[2] or "0"
+            env.setdefault("OPENTINKER_GPUS", index)
         # The gpu queue's Celery worker: the first request for the base model starts the
         # model worker task (tinker_api.serve_base_model) in its pool process.
         worker = [sys.executable, "manage.py", "runworker", "--node", "bench", "--queues", "gpu"]
         self._spawn("worker", [*worker, "--no-beat", "--loglevel", "WARNING"], env)
         table = GpuLockTable(conf.get_redis())
         self._wait(lambda: bool(table.nodes().get("bench", {}).get("alive")), "the gpu worker")
+        kind = table.nodes()["bench"]["kind"]
+        if kind != ("cpu" if self.device == "cpu" else "gpu"):
+            raise RuntimeError(
+                f"the worker announced {kind} slots for --device {self.device}: the model "
+                "worker and the in-process side would not run on the same device"
+            )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

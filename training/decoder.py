@@ -25,6 +25,7 @@ within 3e-5 + 1e-5 relative on logits of size 1-3).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -79,6 +80,19 @@ class _RMSNorm(Protocol):
     variance_epsilon: float
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The name the model's forward takes its KV cache by: `cache` in the transformers this
+    project pins, `past_key_values` in earlier 5.x releases (those in some CUDA images), which
+    would swallow `cache=` into **kwargs and decode without a cache."""
+    forward = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def _route(host: LoRAHost | None, keys: Sequence[str | None]) -> AbstractContextManager[None]:
     if host is None or all(k is None for k in keys):
         return nullcontext()
@@ -91,6 +105,7 @@ class HFDecoder:
     def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
         self.model = model
         self.host = host
+        self.cache_kwarg = cache_kwarg(model)
 
     def prefill(
         self,
@@ -107,11 +122,11 @@ class HFDecoder:
                 input_ids=input_ids_B_L,
                 attention_mask=mask_B_L,
                 position_ids=positions_B_L,
-                cache=cache,
+                **{self.cache_kwarg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
-        return out.logits[:, -1, :], _HFState(out.cache, mask_B_L)
+        return out.logits[:, -1, :], _HFState(cache_of(out), mask_B_L)
 
     def step(
         self,
@@ -127,10 +142,10 @@ class HFDecoder:
                 input_ids=tokens_B.unsqueeze(-1),
                 attention_mask=state.mask_B_L,
                 position_ids=positions_B.unsqueeze(-1),
-                cache=state.cache,
+                **{self.cache_kwarg: state.cache},
                 use_cache=True,
             )
-        state.cache = out.cache
+        state.cache = cache_of(out)
         return out.logits[:, -1, :]
 
     @staticmethod
@@ -155,6 +170,7 @@ class VLDecoder:
     def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
         self.model = model
         self.host = host
+        self.cache_kwarg = cache_kwarg(model)
 
     def prefill(
         self,
@@ -179,11 +195,11 @@ class VLDecoder:
                 pixel_values=pixels,
                 image_grid_thw=grid,
                 mm_token_type_ids=mm,
-                cache=cache,
+                **{self.cache_kwarg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
-        return out.logits[:, -1, :], _VLState(out.cache, mask_B_L, deltas)
+        return out.logits[:, -1, :], _VLState(cache_of(out), mask_B_L, deltas)
 
     def step(
         self,
@@ -200,10 +216,10 @@ class VLDecoder:
                 input_ids=tokens_B.unsqueeze(-1),
                 attention_mask=state.mask_B_L,
                 position_ids=rope,
-                cache=state.cache,
+                **{self.cache_kwarg: state.cache},
                 use_cache=True,
             )
-        state.cache = out.cache
+        state.cache = cache_of(out)
         return out.logits[:, -1, :]
 
     @staticmethod
@@ -269,6 +285,11 @@ class FusedDecoder:
         )
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
+        # CUDA's fused attention kernels take a mask or grouped key/value heads, not both
+        # (flash attention no mask, memory-efficient no grouping), and the prefill has a mask:
+        # repeating the shared heads keeps it off the unfused reference kernel.
+        device = next(model.parameters()).device
+        self.repeat_kv = self.group > 1 and device.type == "cuda"
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -380,13 +401,18 @@ class FusedDecoder:
                 k = k * cos + _rotate_half(k) * sin
                 state.keys[index, :, :, :length] = to_padded(padded_kv, k)
                 state.values[index, :, :, :length] = to_padded(padded_kv, v)
+                keys = state.keys[index, :, :, :length]
+                values = state.values[index, :, :, :length]
+                if self.repeat_kv:
+                    keys = keys.repeat_interleave(self.group, dim=1)
+                    values = values.repeat_interleave(self.group, dim=1)
                 out = F.scaled_dot_product_attention(
                     to_padded(padded_q, q),
-                    state.keys[index, :, :, :length],
-                    state.values[index, :, :, :length],
+                    keys,
+                    values,
                     attn_mask=mask_B_1_L_L,
                     scale=self.scale,
-                    enable_gqa=self.group > 1,
+                    enable_gqa=self.group > 1 and not self.repeat_kv,
                 )
                 out = out.transpose(1, 2).reshape(batch * length, -1).index_select(0, packed_N)
                 x = x + attn.o_proj(out.unsqueeze(1))

@@ -104,10 +104,12 @@ class _RouteState:
         keys: tuple[str, ...],
         a_list: list[torch.Tensor],
         b_list: list[torch.Tensor],
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`torch.stack` of the adapters' A and B; kept across calls when every adapter is
-        frozen (live training weights change in place and need their autograd graph)."""
-        stacked = (torch.stack(a_list), torch.stack(b_list))
+        """`torch.stack` of the adapters' A and B in `dtype`; kept across calls when every
+        adapter is frozen (live training weights change in place and need their autograd
+        graph)."""
+        stacked = (torch.stack(a_list).to(dtype), torch.stack(b_list).to(dtype))
         if self.frozen.issuperset(keys):
             per_module = self.stack_cache.setdefault(keys, {})
             per_module[name] = stacked
@@ -175,8 +177,11 @@ class MultiLoRALinear(nn.Module):
                 xs = x[span[0] : span[1]]
             else:
                 xs = x.index_select(0, rows)
-            if xs.dtype != lora_a.dtype:
-                xs = xs.to(lora_a.dtype)
+            if lora_a.dtype != xs.dtype:
+                # A bf16 base with fp32 adapters (a GPU): the deltas in the activations' dtype,
+                # the cast's backward carrying gradients to the fp32 weights, rather than an
+                # fp32 copy of every activation.
+                lora_a, lora_b = lora_a.to(xs.dtype), lora_b.to(xs.dtype)
             hidden = F.linear(xs, lora_a)  # (..., r)
             if rows is None and hidden.dtype == out.dtype:
                 # One fused out + scaling * hidden @ B^T instead of mul, mm and add.
@@ -225,11 +230,11 @@ class MultiLoRALinear(nn.Module):
             a_list = [e[0] for e in present]
             b_list = [e[1] for e in present]
             rank = a_list[0].shape[0]
-            if any(a.shape[0] != rank or a.dtype != dtype for a in a_list):
-                # Mixed ranks or dtypes: the per-adapter loop handles them.
+            if any(a.shape[0] != rank for a in a_list):
+                # Mixed ranks: the per-adapter loop handles them.
                 return None
-            # (K, r, in) and (K, out, r)
-            kept = self._state.stack(self.name, stacked.keys, a_list, b_list)
+            # (K, r, in) and (K, out, r), in the base's dtype (fp32 adapters on a bf16 base)
+            kept = self._state.stack(self.name, stacked.keys, a_list, b_list, dtype)
         a_K, b_K = kept
         rank = a_K.shape[1]
         num_keys, slots = len(stacked.keys), stacked.slots

@@ -72,6 +72,20 @@ def test_it_matches_the_model_forward_with_mixed_adapters(tiny_model, stack_min)
     assert (base[0][0] - fused[0][0]).abs().max() > 1e-2
 
 
+def test_its_prefill_gives_the_same_logits_with_key_value_heads_repeated(tiny_model):
+    """On CUDA the prefill repeats the shared key/value heads instead of grouping them (so
+    that attention with a mask keeps a fused kernel): the same logits, checked here on the
+    CPU by asking for it."""
+    host = LoRAHost(tiny_model, DEFAULT_TARGET_MODULES)
+    host.register("p0", random_adapter(host, seed=0), 2.0)
+    keys = ["p0", None, "p0", None, "p0"]
+    grouped = FusedDecoder(tiny_model, host)
+    repeated = FusedDecoder(tiny_model, host)
+    assert grouped.group > 1 and not grouped.repeat_kv
+    repeated.repeat_kv = True
+    _assert_same(_run(repeated, PROMPTS, keys), _run(grouped, PROMPTS, keys))
+
+
 def test_it_matches_the_model_forward_on_llama_with_biases_and_rope_scaling():
     model = build_tiny_model(
         300,

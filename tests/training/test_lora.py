@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from training.decoder import cache_kwarg, cache_of
 from training.lora import DEFAULT_TARGET_MODULES, LoRAHost, MultiLoRALinear
 
 RANK = 4
@@ -176,11 +177,13 @@ def test_it_matches_peft_during_kv_cache_decoding(setup):
     prefill = 6
     with torch.no_grad(), host.route(keys):
         out = host_model(input_ids=ids[:, :prefill], use_cache=True)
-        cache = out.cache
+        cache = cache_of(out)
         step_logits = [out.logits]
         for t in range(prefill, ids.shape[1]):
-            out = host_model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
-            cache = out.cache
+            out = host_model(
+                input_ids=ids[:, t : t + 1], **{cache_kwarg(host_model): cache}, use_cache=True
+            )
+            cache = cache_of(out)
             step_logits.append(out.logits)
     logits = torch.cat(step_logits, dim=1)
     for row, key in enumerate(keys):
@@ -229,6 +232,53 @@ def test_it_backpropagates_into_several_adapters_in_one_forward(
         for g_joint, g_alone in zip(joint[key], alone, strict=True):
             torch.testing.assert_close(g_joint, g_alone, atol=1e-6, rtol=1e-5)
     assert all(p.grad is None for p in model.parameters())
+
+
+@STACKING
+def test_a_bf16_base_applies_fp32_adapters_in_bf16_and_trains_their_fp32_weights(
+    tiny_model_factory, stack_min
+):
+    """A CUDA model is bf16 while adapters keep fp32 weights: the deltas are computed in the
+    activations' dtype (the grouped bmm included, which once fell back to the loop whenever
+    the dtypes differed), as with the same adapters cast to bf16, and gradients reach the
+    fp32 weights."""
+    reference = tiny_model_factory().to(torch.bfloat16).requires_grad_(False)
+    model = tiny_model_factory().to(torch.bfloat16).requires_grad_(False)
+    ref_host = LoRAHost(reference, DEFAULT_TARGET_MODULES, stack_min_adapters=stack_min)
+    host = LoRAHost(model, DEFAULT_TARGET_MODULES, stack_min_adapters=stack_min)
+    params = {}
+    for key, seed in (("a", 1), ("b", 2)):
+        weights = random_adapter(host, seed)
+        in_bf16 = {n: (a.bfloat16(), b.bfloat16()) for n, (a, b) in weights.items()}
+        ref_host.register(key, in_bf16, ALPHA / RANK, frozen=True)
+        params[key] = {
+            n: (nn.Parameter(a.clone()), nn.Parameter(b.clone())) for n, (a, b) in weights.items()
+        }
+        host.register(key, params[key], ALPHA / RANK)
+    keys = ["a", "b", "b", "a"]
+    ids = torch.randint(3, 290, (4, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), ref_host.route(keys):
+        expected = reference(input_ids=ids).logits
+    with host.route(keys):
+        logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+    for pairs in params.values():
+        for a, b in pairs.values():
+            assert a.grad is not None and a.grad.dtype == torch.float32
+            assert b.grad is not None and b.grad.abs().sum() > 0
+    # Frozen fp32 adapters on the bf16 base: stacked once, in bf16, with the same result.
+    for key in ("a", "b"):
+        host.unregister(key)
+        frozen = {n: (a.detach(), b.detach()) for n, (a, b) in params[key].items()}
+        host.register(key, frozen, ALPHA / RANK, frozen=True)
+    with torch.no_grad(), host.route(keys):
+        again = model(input_ids=ids).logits
+    torch.testing.assert_close(again, expected, atol=0, rtol=0)
+    if stack_min == 2:
+        stacks = host._state.stack_cache[("a", "b")]
+        assert stacks and all(a.dtype == torch.bfloat16 for a, _b in stacks.values())
 
 
 def test_it_rejects_unknown_keys_and_bad_shapes(tiny_model):
