@@ -107,7 +107,7 @@ def _target_logprobs(
     for rows in full_rows.values():
         model = policies[rows[0]].model
         assert model is not None
-        groups.append((rows, model, nullcontext()))
+        groups.append((rows, model, policies[rows[0]].compute()))
 
     if len(groups) == 1:
         _, model, ctx = groups[0]

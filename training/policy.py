@@ -17,6 +17,7 @@ import os
 import re
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -105,8 +106,16 @@ class Policy:
         self.lora_weights: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         self.model: nn.Module | None = None
         self._versions: dict[int, Any] = {}
+        # The dtype the base model computes in (bf16 on a GPU).
+        self.compute_dtype = next(base_model.parameters()).dtype
         if config.full_finetune:
             self.model = unwrap_linears(copy.deepcopy(base_model))
+            if self.compute_dtype != torch.float32:
+                # Master weights in float32: an Adam update below a bf16 weight's spacing (most
+                # of them at the usual learning rates) would round away. The forward computes
+                # in the base's dtype under autocast (`compute`), and versions are published in
+                # it (sampling, export).
+                self.model.float()
             self.model.requires_grad_(True)
             self.model.eval()  # no dropout: training is deterministic
         else:
@@ -137,6 +146,14 @@ class Policy:
     def is_full_finetune(self) -> bool:
         return self.config.full_finetune
 
+    def compute(self) -> AbstractContextManager[Any]:
+        """The context a forward of this policy's own model runs in: autocast to the base's
+        dtype over float32 master weights (full fine-tuning of a bf16 base), else nothing."""
+        if self.model is None or self.compute_dtype == torch.float32:
+            return nullcontext()
+        device = next(self.model.parameters()).device
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
     @property
     def adapter_key(self) -> str | None:
         """Host key of the live training weights (None for full fine-tuning)."""
@@ -164,7 +181,7 @@ class Policy:
         self._check_open()
         version = self._next_version
         if self.model is not None:
-            frozen = copy.deepcopy(self.model).requires_grad_(False)
+            frozen = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
             for p in frozen.parameters():
                 p.grad = None
             self._versions[version] = frozen

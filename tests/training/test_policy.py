@@ -154,6 +154,58 @@ def test_it_fine_tunes_a_private_copy_without_touching_the_base(engine, tiny_tok
         policy.export_peft(version, "unused")
 
 
+def test_a_full_fine_tune_of_a_bf16_base_keeps_float32_master_weights(tiny_model, tiny_tokenizer):
+    """A GPU engine is bf16. Updated in bf16, a weight keeps its value unless the step exceeds
+    half its spacing (about 4e-3 of its size): at lr 1e-5 Adam's first step of 1e-5 moves
+    almost no weight of the tiny model. The master copy is float32, the forward computes in
+    bf16 under autocast (with or without recomputed activations), and published versions are
+    bf16 again."""
+    engine = Engine(tiny_model.to(torch.bfloat16), tokenizer=tiny_tokenizer)
+    policy = engine.create_policy(full_finetune=True, seed=0)
+    lora = engine.create_policy(rank=4, alpha=8, seed=1)
+    assert policy.model is not None
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    datums = datums_for(tiny_tokenizer, TEXTS)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    plain = forward_backward(policy, datums, "cross_entropy")
+    plain_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+    policy.zero_grad()
+    again = forward_backward(policy, datums, "cross_entropy", recompute=True)
+    for n, p in policy.model.named_parameters():
+        torch.testing.assert_close(p.grad, plain_grads[n], atol=1e-6, rtol=1e-5)
+    assert again.metrics == pytest.approx(plain.metrics, rel=1e-6)
+    optim_step(policy, AdamParams(learning_rate=1e-5))
+    weights = [n for n in before if n.endswith("proj.weight")]
+    moved = sum(
+        (p != before[n]).float().mean().item()
+        for n, p in policy.model.named_parameters()
+        if n in weights
+    ) / len(weights)
+    assert moved > 0.9
+    # In bf16 the same step rounds away nearly everywhere: what the master copy is for.
+    assert all(
+        (before[n].bfloat16() + 1e-5 * torch.sign(plain_grads[n]).bfloat16())
+        .eq(before[n].bfloat16())
+        .float()
+        .mean()
+        > 0.9
+        for n in weights
+    )
+    # LoRA rows and the full fine-tune's rows in one batch.
+    mixed = forward_backward([policy, lora, policy, lora], datums, "cross_entropy")
+    assert math.isfinite(mixed.metrics["loss:sum"])
+    version = policy.snapshot()
+    frozen = policy.version_model(version)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        ids = torch.tensor([datums[0].model_input.tolist()])
+        with policy.compute():
+            live = policy.model(input_ids=ids).logits.float()
+        published = frozen(input_ids=ids).logits.float()
+    torch.testing.assert_close(published, live, atol=0.05, rtol=0.05)
+
+
 def test_it_builds_from_a_directory_and_closes_policies(tiny_model_dir):
     engine = Engine(tiny_model_dir)
     assert engine.tokenizer is not None

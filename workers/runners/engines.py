@@ -18,32 +18,21 @@ if TYPE_CHECKING:
 
 __all__ = ["engine_for", "policy_from_spec"]
 
-# Key: (model directory, device, float32 forced); device None lets the engine pick (CUDA when
-# present).
-_ENGINES: dict[tuple[str, str | None, bool], Engine] = {}
+# Key: (model directory, device); device None lets the engine pick (CUDA when present).
+_ENGINES: dict[tuple[str, str | None], Engine] = {}
 _LOCK = threading.Lock()
 
 
-def engine_for(
-    path: Path | str, device: str | None = None, *, full_finetune: bool = False
-) -> Engine:
-    """The process's engine for the base model at `path` on `device`, loaded on first use.
-
-    A GPU engine loads the base model in bf16, which LoRA jobs train against (their adapters
-    are fp32). A full fine-tuning job updates the base weights themselves, and an Adam update
-    below a bf16 weight's spacing (most of them at the usual learning rates) would round away:
-    off the CPU such a job gets an engine of its own in float32."""
+def engine_for(path: Path | str, device: str | None = None) -> Engine:
+    """The process's engine for the base model at `path` on `device`, loaded on first use."""
     # Lazy: the worker imports its runners at start, before it knows it will run a job.
-    import torch
-
     from training.engine import Engine
 
-    float32 = full_finetune and not str(device or "").startswith("cpu")
-    key = (str(path), device, float32)
+    key = (str(path), device)
     with _LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = Engine(path, device=device, dtype=torch.float32 if float32 else None)
+            engine = Engine(path, device=device)
             _ENGINES[key] = engine
         return engine
 

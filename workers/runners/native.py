@@ -126,7 +126,7 @@ def run(ctx: JobContext) -> None:
     eval job (a spec with `eval`)."""
     spec = ctx.job_spec
     device = ctx.devices[0] if ctx.devices else "cpu"
-    engine = engine_for(base_model_path(spec), device, full_finetune=spec.full_finetune)
+    engine = engine_for(base_model_path(spec), device)
     if spec.eval is not None:
         _run_eval(ctx, spec, engine)
         return
@@ -229,7 +229,7 @@ def join(
     """Run rank ``rank`` of a gang's attempt until rank 0 says stop. False when the attempt
     ended before this rank could join it (no rendezvous while the lease lasted)."""
     spec = parse_spec(spec_data)
-    engine = engine_for(base_model_path(spec), device, full_finetune=spec.full_finetune)
+    engine = engine_for(base_model_path(spec), device)
     rows, _ = dataset_rows(spec)
     timeout = conf.gang_timeout()
     address = gang.wait_rendezvous(job_id, attempt, timeout_s=timeout, still_wanted=still_wanted)
