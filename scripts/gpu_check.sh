@@ -78,7 +78,10 @@ if ! "$PYTHON" -c 'import django' >/dev/null 2>&1; then
   bundle=${GPU_BUNDLE_DIR:-.gpu}/site-$tag.tar.xz
   if [ -f "$bundle" ]; then
     site=${TMPDIR:-/tmp}/opentinker-site-$tag
-    rm -rf "$site" && mkdir -p "$site" && tar -xJf "$bundle" -C "$site" || exit 2
+    # Python's own tarfile: the image need not have xz.
+    rm -rf "$site" && mkdir -p "$site" &&
+      "$PYTHON" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+        "$bundle" "$site" || exit 2
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
     note "packages: unpacked $bundle into $site"
   else
