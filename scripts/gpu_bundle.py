@@ -6,7 +6,7 @@ Valkey, gunicorn, openai or tinker. What travels with a call is the working tree
 it carries, 64 MiB in all, so the service's packages go as one xz archive of an installed
 `--target` tree for the machine's Python (3.12), with their compiled libraries stripped:
 
-    make gpu-bundle          # -> .gpu/site-cp312.tar.xz (~21 MB)
+    make gpu-bundle          # -> .gpu/site-cp312.tar.xz (~23 MB)
 
 and a call carries `.gpu`; gpu_check.sh unpacks it when its Python cannot import Django.
 Versions are this checkout's venv's (what the tests ran against), except for the packages the
@@ -32,61 +32,15 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the lent machines' image holds (as listed for it on 2026-11-17),
-# among what the service needs: the training stack, and the common libraries beside it.
+# Taken from the lent machines' image (as listed for it on 2026-11-17) rather than carried:
+# the training stack (CUDA builds that could not travel) and the libraries it pins beside it,
+# plus pytest and its own plugins' base. Everything else the service needs travels even where
+# the image has some version of it (typing-extensions, httpx, click, ...), so that the
+# service's packages run on the versions they were tested with.
 IMAGE_HAS = frozenset(
-    [
-        "accelerate",
-        "annotated-doc",
-        "anyio",
-        "attrs",
-        "certifi",
-        "charset-normalizer",
-        "click",
-        "filelock",
-        "fsspec",
-        "h11",
-        "hf-xet",
-        "httpcore",
-        "httpx",
-        "huggingface-hub",
-        "idna",
-        "iniconfig",
-        "jinja2",
-        "markdown-it-py",
-        "markupsafe",
-        "mdurl",
-        "mpmath",
-        "networkx",
-        "numpy",
-        "packaging",
-        "peft",
-        "pillow",
-        "pluggy",
-        "protobuf",
-        "psutil",
-        "pyarrow",
-        "pygments",
-        "pytest",
-        "python-dateutil",
-        "pyyaml",
-        "regex",
-        "requests",
-        "rich",
-        "safetensors",
-        "setuptools",
-        "shellingham",
-        "six",
-        "sympy",
-        "tiktoken",
-        "tokenizers",
-        "torch",
-        "tqdm",
-        "transformers",
-        "typer",
-        "typing-extensions",
-        "urllib3",
-    ]
+    """accelerate filelock fsspec hf-xet huggingface-hub iniconfig jinja2 markupsafe mpmath
+    networkx numpy peft pillow pluggy protobuf psutil pyarrow pytest pyyaml regex safetensors
+    setuptools sympy tiktoken tokenizers torch tqdm transformers""".split()  # noqa: SIM905
 )
 # What the checks use beyond the service's own dependencies: the test runner's plugins and
 # the clients the benchmarks drive.

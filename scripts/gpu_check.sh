@@ -21,7 +21,7 @@
 #
 # A GPU machine lent for a short check has PyTorch with CUDA and the Hugging Face stack but
 # not the service's packages, and reaches no index. Build them here first,
-#   make gpu-bundle        (scripts/gpu_bundle.py -> .gpu/site-cp312.tar.xz, ~21 MB)
+#   make gpu-bundle        (scripts/gpu_bundle.py -> .gpu/site-cp312.tar.xz, ~23 MB)
 # and carry `.gpu` in the call; this script unpacks the bundle for its Python when that
 # Python cannot import Django. verl, vLLM and Ray are not in the image and are far larger than
 # a call may carry (vLLM's wheel alone is several hundred MB), so the verl step and the vLLM

@@ -35,9 +35,12 @@ def test_the_bundle_holds_the_service_at_the_tested_versions_and_none_of_the_tra
         "pyrage",
     ):
         assert pins[needed] == md.version(needed), needed
-    # tinker asks for httpx[http2]: httpx is the image's, its http2 extra's h2 is not.
+    # tinker asks for httpx[http2]: h2 travels with it.
     assert pins["h2"] == md.version("h2")
-    for image_has in ("torch", "transformers", "peft", "tokenizers", "numpy", "httpx", "pytest"):
+    # Libraries the image has at some version travel at the tested one.
+    for shadowed in ("typing-extensions", "httpx", "click", "packaging"):
+        assert pins[shadowed] == md.version(shadowed), shadowed
+    for image_has in ("torch", "transformers", "peft", "tokenizers", "numpy", "pytest"):
         assert image_has not in pins
     assert "psycopg" not in pins and "psycopg-binary" not in pins
 
