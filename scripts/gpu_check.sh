@@ -70,6 +70,12 @@ esac
 case $BUDGET in
   '' | *[!0-9]*) note "BUDGET: expected whole seconds, got '$BUDGET'"; exit 2 ;;
 esac
+for step in ${ONLY//,/ }; do
+  case $step in
+    tests | mfu | serving | tinker | verl) ;;
+    *) note "ONLY: unknown step '$step' (steps: tests, mfu, serving, tinker, verl)"; exit 2 ;;
+  esac
+done
 
 # The service's packages, when this Python lacks them (a lent machine's image): the bundle
 # that scripts/gpu_bundle.py built for this Python's version.
@@ -88,12 +94,6 @@ if ! "$PYTHON" -c 'import django' >/dev/null 2>&1; then
     note "packages: $PYTHON cannot import django and there is no $bundle: run scripts/gpu_bundle.py here and carry .gpu"
   fi
 fi
-for step in ${ONLY//,/ }; do
-  case $step in
-    tests | mfu | serving | tinker | verl) ;;
-    *) note "ONLY: unknown step '$step' (steps: tests, mfu, serving, tinker, verl)"; exit 2 ;;
-  esac
-done
 
 if [ -z "${MODEL_PATH:-}" ]; then
   for candidate in "${HF_HOME:-$HOME/.cache/huggingface}/Qwen2.5-0.5B-Instruct" \
