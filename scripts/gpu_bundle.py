@@ -30,6 +30,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 # Taken from the lent machines' image (as listed for it on 2026-11-17) rather than carried:
@@ -52,10 +53,6 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 CALL_LIMIT = 64 * 2**20
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def roots() -> list[str]:
     """The service's declared dependencies (pyproject.toml) and the checks' extras."""
     with (ROOT / "pyproject.toml").open("rb") as fh:
@@ -71,7 +68,7 @@ def requirements(root_specs: list[str]) -> dict[str, str]:
     stack = [Requirement(spec) for spec in root_specs]
     while stack:
         req = stack.pop()
-        name = canonical(req.name)
+        name = canonicalize_name(req.name)
         key = (name, tuple(sorted(req.extras)))
         if key in seen or name in NOT_NEEDED:
             continue
@@ -109,9 +106,8 @@ def tree_bytes() -> int:
         capture_output=True,
         check=True,
     ).stdout.split(b"\0")
-    return sum(
-        (ROOT / p.decode()).stat().st_size for p in listed if p and (ROOT / p.decode()).is_file()
-    )
+    paths = [ROOT / p.decode() for p in listed if p]
+    return sum(path.stat().st_size for path in paths if path.is_file())
 
 
 def build(python: str, out: Path, pins: dict[str, str]) -> Path:
