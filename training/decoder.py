@@ -25,7 +25,6 @@ within 3e-5 + 1e-5 relative on logits of size 1-3).
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -85,14 +84,17 @@ def cache_kwarg(model: nn.Module) -> str:
     """The name the model's forward takes its KV cache by: `cache` in the transformers this
     project pins, `past_key_values` in earlier 5.x releases (those in some CUDA images), which
     would swallow `cache=` into **kwargs and decode without a cache."""
-    return _cache_kwarg_of(type(model))
+    model_class = type(model)
+    name = _CACHE_KWARGS.get(model_class)
+    if name is None:
+        forward = inspect.signature(model_class.forward).parameters
+        name = "cache" if "cache" in forward else "past_key_values"
+        _CACHE_KWARGS[model_class] = name
+    return name
 
 
-@functools.cache
-def _cache_kwarg_of(model_class: type) -> str:
-    # Once per class: a decoder is made for every `generate` call.
-    forward = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in forward else "past_key_values"
+# Read once per model class: a decoder is made for every `generate` call.
+_CACHE_KWARGS: dict[type[nn.Module], str] = {}
 
 
 def cache_of(out: Any) -> Any:
