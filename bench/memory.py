@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/memory.py [--threads 2] [--seq 512] [--budget-gib 8] [--write]
 
-The model is `bench/mfu.py`'s (Qwen2 architecture, ~85M parameters, float32, cached under
+The model is `bench/mfu.py`'s (Qwen2 architecture, ~76M parameters, float32, cached under
 ``var/mfu-model``). Each measurement is one process that loads the engine, runs one
 ``forward_backward`` + ``optim_step`` on ``rows`` x ``seq`` tokens and reports its peak RSS
 (``ru_maxrss``), so no run inherits another's high-water mark. For LoRA r16 and full
@@ -191,7 +191,7 @@ def write_section(
             f"{saved['rows'] / max(plain['rows'], 1):.1f}x the batch, "
             f"{saved['tok_s'] / plain['tok_s']:.2f}x the tokens/s"
         )
-    section = f"""## Memory of a training step (85M-parameter model)
+    section = f"""## Memory of a training step (76M-parameter model)
 
 Command: `{command}` ({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, {os.cpu_count()}
 CPU cores, {args.threads} torch threads, Python {platform.python_version()}, load average
@@ -211,7 +211,7 @@ predicted from them, run, and predicted again through the last run (at most
 
 Recomputing activations, same run: {"; ".join(ratios)}.
 """
-    return record("Memory of a training step (85M-parameter model)", section)
+    return record("Memory of a training step (76M-parameter model)", section)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     .venv/bin/python bench/mfu.py [--threads N] [--batch 8] [--seq 256] [--write]
     python bench/mfu.py --device cuda [--dtype bfloat16] [--batch 64] [--seq 1024]
 
-The model is a Qwen2-architecture decoder of ~85M parameters (hidden 768, 12 layers, GQA 12/4
-heads, MLP 2048, the tiny model's 2048-token vocabulary, tied head), randomly initialised from
+The model is a Qwen2-architecture decoder of ~76M parameters (hidden 768, 12 layers, GQA 12/4
+heads, MLP 2048, the tiny model's 737-token vocabulary, tied head), randomly initialised from
 a fixed seed on the first run and cached under ``var/mfu-model``. Nothing is downloaded.
 
 Measured in the same run, on the same threads and backend:
@@ -323,7 +323,7 @@ def main() -> None:
 
 
 def write_section(r: dict[str, Any], command: str, loadavg: str, args: argparse.Namespace) -> Path:
-    section = f"""## MFU on an 85M-parameter model
+    section = f"""## MFU on a 76M-parameter model
 
 Command: `{command}` ({time.strftime("%Y-%m-%d")}, {os.cpu_count()} CPU cores, {args.threads}
 torch threads, Python {platform.python_version()}, torch {torch.__version__}, load average
@@ -349,7 +349,7 @@ full fine-tuning (AdamW moments for every weight). FLOPs per token: full 6N + 12
 4N + 6N_lora + 12LdT, prefill 2N + 4LdT; decode reads 4N bytes of weights and the KV cache
 per token.
 """
-    return record("MFU on an 85M-parameter model", section, keep_subsections=True)
+    return record("MFU on a 76M-parameter model", section, keep_subsections=True)
 
 
 def write_gpu_section(

@@ -25,9 +25,17 @@ class Stack:
     of their own, SQLite + embedded Valkey in a throw-away data directory."""
 
     def __init__(
-        self, threads: int, web_threads: int, wal: bool = True, device: str = "cpu"
+        self,
+        threads: int,
+        web_threads: int,
+        wal: bool = True,
+        device: str = "cpu",
+        base_path: str | Path | None = None,
     ) -> None:
+        """``base_path``: the directory of the model registered as ``BASE`` (the tiny model
+        by default)."""
         self.device = device
+        self.base_path = base_path
         self.threads = threads
         self.web_threads = web_threads
         self.wal = wal
@@ -91,11 +99,11 @@ class Stack:
         from workers import conf
         from workers.locktable import GpuLockTable
 
-        if not (Path(DEFAULT_BASE_MODEL) / "config.json").is_file():
-            raise SystemExit(f"{DEFAULT_BASE_MODEL} is missing: run scripts/build_tiny_model.py")
+        base_path = str(self.base_path or DEFAULT_BASE_MODEL)
+        if not (Path(base_path) / "config.json").is_file():
+            raise SystemExit(f"{base_path} is missing: run scripts/build_tiny_model.py")
         BaseModel.objects.update_or_create(
-            name=BASE,
-            defaults={"path": DEFAULT_BASE_MODEL, "max_lora_rank": 64, "max_context": 512},
+            name=BASE, defaults={"path": base_path, "max_lora_rank": 64, "max_context": 512}
         )
         slug = f"bench-{uuid.uuid4().hex[:6]}"
         user = get_user_model().objects.create_user(username=slug, password=uuid.uuid4().hex)

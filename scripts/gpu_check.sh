@@ -9,7 +9,8 @@
 #   mfu      bench/mfu.py --device cuda: bf16 MFU of LoRA and full training and prefill, decode
 #            against the device's bandwidth (issue goal: training >= 40% on an H200);
 #   serving  bench/serving.py --device cuda: 16 streaming OpenAI clients over 4 policies vs one
-#            policy at a time (goal >= 3x) and vs the in-process sampler (goal >= 0.8x);
+#            policy at a time (goal >= 3x) and vs the in-process sampler (goal >= 0.8x), on the
+#            tiny model and on bench/mfu.py's 76M-parameter one;
 #   tinker   bench/tinker_api.py --device cuda (SDK RL step and four clients at once);
 #   verl     a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
 #            the same translation, parquet files, reward function and process supervision as
@@ -141,9 +142,20 @@ step_mfu() {
 }
 
 # --- OpenAI serving on the GPU: the multi-LoRA batch's gain and the serving overhead ---------
+# The tiny model (decode steps of launches) and the 76M one (steps of arithmetic), one file.
 step_serving() {
-  timeout "$(limit 240)" "$PYTHON" bench/serving.py $SERVING_ARGS >"$OUT/serving_$DEVICE.txt" 2>&1
-  note "serving $DEVICE: rc=$? in $(($(date +%s) - start))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | cut -c1-600)"
+  : >"$OUT/serving_$DEVICE.txt"
+  local model
+  for model in tiny mfu; do
+    if [ $((BUDGET - ($(date +%s) - T0))) -lt 30 ]; then
+      note "serving $DEVICE $model: SKIPPED: less than 30 s left of BUDGET=$BUDGET"
+      continue
+    fi
+    echo "=== --model $model" >>"$OUT/serving_$DEVICE.txt"
+    timeout "$(limit 240)" "$PYTHON" bench/serving.py $SERVING_ARGS --model "$model" \
+      >>"$OUT/serving_$DEVICE.txt" 2>&1
+    note "serving $DEVICE $model: rc=$? in $(($(date +%s) - start))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | tail -n 1 | cut -c1-600)"
+  done
 }
 
 # --- Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) -----------
