@@ -10,7 +10,7 @@
 #            against the device's bandwidth (issue goal: training >= 40% on an H200);
 #   serving  bench/serving.py --device cuda: 16 streaming OpenAI clients over 4 policies vs one
 #            policy at a time (goal >= 3x) and vs the in-process sampler (goal >= 0.8x), on the
-#            tiny model and on bench/mfu.py's 76M-parameter one;
+#            tiny model; serving_mfu: the same on bench/mfu.py's 76M-parameter one;
 #   tinker   bench/tinker_api.py --device cuda (SDK RL step and four clients at once);
 #   verl     a small GRPO job on the `math` env through the verl runner (workers.runners.verl:
 #            the same translation, parquet files, reward function and process supervision as
@@ -18,7 +18,7 @@
 # Every step together can take longer than one device call may (10 minutes): BUDGET (570 s by
 # default) ends the run in time, a step that would start with under 30 s left is skipped and
 # said so, and ONLY's order puts the figures wanted most first (default: mfu, serving, tinker,
-# tests, verl). What a step wrote before its limit stays under $OUT.
+# serving_mfu, tests, verl). What a step wrote before its limit stays under $OUT.
 #
 # A GPU machine lent for a short check has PyTorch with CUDA and the Hugging Face stack but
 # not the service's packages, and reaches no index. Build them here first,
@@ -30,7 +30,8 @@
 #
 # Settings (environment):
 #   OUT          where the results go (at most 8 files): summary.txt first.
-#   ONLY         the steps to run, in this order (default mfu,serving,tinker,tests,verl).
+#   ONLY         the steps to run, in this order (default mfu,serving,tinker,serving_mfu,tests,
+#                verl).
 #   BUDGET       seconds for all of them (default 570: one device call's 600 s, less a margin).
 #   PYTHON       interpreter of the project (default .venv/bin/python, else python3).
 #   VERL_PYTHON  interpreter that has verl 0.9.1 + vllm (default: $PYTHON). The job runs
@@ -50,7 +51,7 @@ VERL_PYTHON=${VERL_PYTHON:-$PYTHON}
 VERL_STEPS=${VERL_STEPS:-3}
 VERL_TIMEOUT=${VERL_TIMEOUT:-420}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DJANGO_SETTINGS_MODULE=opentinker_site.settings.test
-ONLY=${ONLY:-mfu,serving,tinker,tests,verl}
+ONLY=${ONLY:-mfu,serving,tinker,serving_mfu,tests,verl}
 DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-570}
 T0=$(date +%s)
@@ -73,8 +74,8 @@ case $BUDGET in
 esac
 for step in ${ONLY//,/ }; do
   case $step in
-    tests | mfu | serving | tinker | verl) ;;
-    *) note "ONLY: unknown step '$step' (steps: tests, mfu, serving, tinker, verl)"; exit 2 ;;
+    tests | mfu | serving | serving_mfu | tinker | verl) ;;
+    *) note "ONLY: unknown step '$step' (steps: tests, mfu, serving, serving_mfu, tinker, verl)"; exit 2 ;;
   esac
 done
 
@@ -142,21 +143,20 @@ step_mfu() {
 }
 
 # --- OpenAI serving on the GPU: the multi-LoRA batch's gain and the serving overhead ---------
-# The tiny model (decode steps of launches) and the 76M one (steps of arithmetic), one file.
-step_serving() {
-  : >"$OUT/serving_$DEVICE.txt"
-  local model
-  for model in tiny mfu; do
-    if [ $((BUDGET - ($(date +%s) - T0))) -lt 30 ]; then
-      note "serving $DEVICE $model: SKIPPED: less than 30 s left of BUDGET=$BUDGET"
-      continue
-    fi
-    echo "=== --model $model" >>"$OUT/serving_$DEVICE.txt"
-    timeout "$(limit 240)" "$PYTHON" bench/serving.py $SERVING_ARGS --model "$model" \
-      >>"$OUT/serving_$DEVICE.txt" 2>&1
-    note "serving $DEVICE $model: rc=$? in $(($(date +%s) - start))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | tail -n 1 | cut -c1-600)"
-  done
+# On the tiny model (`serving`: decode steps of launches) and on bench/mfu.py's 76M one
+# (`serving_mfu`: steps of arithmetic), both into one file (at most 8 files come back).
+serve_model() {
+  if [ -z "${serving_started:-}" ]; then
+    : >"$OUT/serving_$DEVICE.txt"
+    serving_started=1
+  fi
+  echo "=== --model $1" >>"$OUT/serving_$DEVICE.txt"
+  timeout "$(limit 240)" "$PYTHON" bench/serving.py $SERVING_ARGS --model "$1" \
+    >>"$OUT/serving_$DEVICE.txt" 2>&1
+  note "serving $DEVICE $1: rc=$? in $(($(date +%s) - start))s: $(grep -E '^\[1/1\]' "$OUT/serving_$DEVICE.txt" | tail -n 1 | cut -c1-600)"
 }
+step_serving() { serve_model tiny; }
+step_serving_mfu() { serve_model mfu; }
 
 # --- Tinker API benchmark on the GPU: the four-clients batching ratio (goal >= 2x) -----------
 step_tinker() {
