@@ -134,10 +134,10 @@ give; 16 rows of four adapters 49.3 ms (the grouped LoRA bmm about 4.5 ms of it)
 needs a step of 16 rows to cost at most 4/3 of one of 4 rows; on a CPU, once 16 rows'
 arithmetic outweighs one pass over the weights, it costs 1.7-1.8x. An accelerator, with some
 forty times more arithmetic per byte of memory traffic (an H200: about 200 bf16 FLOP per byte
-it reads, against 5 here), is where extra rows are nearly free; none was lent to measure it. Computing every adapter's deltas in one matmul over their
-concatenated A and B with a per-row mask (no gather or scatter, K times the LoRA arithmetic)
-was measured against the grouped bmm and was slower here (52.3 against 50.2 ms a step), so
-the grouped bmm stays.
+it reads, against 5 here), is where extra rows are nearly free; none was lent to measure it.
+Computing every adapter's deltas in one matmul over their concatenated A and B with a per-row
+mask (no gather or scatter, K times the LoRA arithmetic) was measured against the grouped bmm
+and was slower here (52.3 against 50.2 ms a step), so the grouped bmm stays.
 
 (a)/(c): what the serving adds to the engine's work (requests admitted one at a time, the
 tokens published to Valkey every step, decode steps beside the web server and the clients)
