@@ -101,7 +101,8 @@ class Stack:
 
         base_path = str(self.base_path or DEFAULT_BASE_MODEL)
         if not (Path(base_path) / "config.json").is_file():
-            raise SystemExit(f"{base_path} is missing: run scripts/build_tiny_model.py")
+            hint = "" if self.base_path else ": run scripts/build_tiny_model.py"
+            raise SystemExit(f"{base_path} is missing{hint}")
         BaseModel.objects.update_or_create(
             name=BASE, defaults={"path": base_path, "max_lora_rank": 64, "max_context": 512}
         )

@@ -57,6 +57,8 @@ BUDGET=${BUDGET:-570}
 T0=$(date +%s)
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
+# Both serving steps append to one file: this run's only.
+rm -f "$OUT/serving_$DEVICE.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 case $DEVICE in
   cuda)
@@ -146,10 +148,6 @@ step_mfu() {
 # On the tiny model (`serving`: decode steps of launches) and on bench/mfu.py's 76M one
 # (`serving_mfu`: steps of arithmetic), both into one file (at most 8 files come back).
 serve_model() {
-  if [ -z "${serving_started:-}" ]; then
-    : >"$OUT/serving_$DEVICE.txt"
-    serving_started=1
-  fi
   echo "=== --model $1" >>"$OUT/serving_$DEVICE.txt"
   timeout "$(limit 240)" "$PYTHON" bench/serving.py $SERVING_ARGS --model "$1" \
     >>"$OUT/serving_$DEVICE.txt" 2>&1
