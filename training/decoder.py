@@ -116,6 +116,10 @@ class HFDecoder:
         self.host = host
         self.cache_kwarg = cache_kwarg(model)
 
+    def _forward(self, keys_B: Sequence[str | None], cache: Any, **inputs: Any) -> Any:
+        with _route(self.host, keys_B):
+            return self.model(**inputs, **{self.cache_kwarg: cache}, use_cache=True)
+
     def prefill(
         self,
         input_ids_B_L: torch.Tensor,
@@ -125,17 +129,18 @@ class HFDecoder:
         capacity: int,
     ) -> tuple[torch.Tensor, _HFState]:
         config: Any = self.model.config
-        cache = DynamicCache(config=config)
-        with _route(self.host, keys_B):
-            out = self.model(
-                input_ids=input_ids_B_L,
-                attention_mask=mask_B_L,
-                position_ids=positions_B_L,
-                **{self.cache_kwarg: cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        out = self._forward(
+            keys_B,
+            DynamicCache(config=config),
+            input_ids=input_ids_B_L,
+            attention_mask=mask_B_L,
+            position_ids=positions_B_L,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :], _HFState(cache_of(out), mask_B_L)
+
+    def _step_positions(self, positions_B: torch.Tensor, state: Any) -> torch.Tensor:
+        return positions_B.unsqueeze(-1)
 
     def step(
         self,
@@ -146,14 +151,13 @@ class HFDecoder:
     ) -> torch.Tensor:
         mask = state.mask_B_L
         state.mask_B_L = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        with _route(self.host, keys_B):
-            out = self.model(
-                input_ids=tokens_B.unsqueeze(-1),
-                attention_mask=state.mask_B_L,
-                position_ids=positions_B.unsqueeze(-1),
-                **{self.cache_kwarg: state.cache},
-                use_cache=True,
-            )
+        out = self._forward(
+            keys_B,
+            state.cache,
+            input_ids=tokens_B.unsqueeze(-1),
+            attention_mask=state.mask_B_L,
+            position_ids=self._step_positions(positions_B, state),
+        )
         state.cache = cache_of(out)
         return out.logits[:, -1, :]
 
@@ -169,17 +173,12 @@ class _HFState:
         self.mask_B_L = mask_B_L
 
 
-class VLDecoder:
+class VLDecoder(HFDecoder):
     """A vision-language model's own forward with a `DynamicCache`: the prompt's images go
     through the vision tower at prefill, and every position is given explicitly in the
     model's 3-D rotary form (`training.vision`). A generated token is text: its three
     rotary components are equal, the row's next text position plus the offset its images
     left (an image advances the position by its side, not by its token count)."""
-
-    def __init__(self, model: nn.Module, host: LoRAHost | None = None) -> None:
-        self.model = model
-        self.host = host
-        self.cache_kwarg = cache_kwarg(model)
 
     def prefill(
         self,
@@ -195,46 +194,25 @@ class VLDecoder:
         pixels, grid, mm = vision.batch_images(spec, input_ids_B_L, mask_B_L, images_B)
         positions, deltas = vision.rope_positions(self.model, input_ids_B_L, mask_B_L, grid, mm)
         config: Any = self.model.config
-        cache = DynamicCache(config=config)
-        with _route(self.host, keys_B):
-            out = self.model(
-                input_ids=input_ids_B_L,
-                attention_mask=mask_B_L,
-                position_ids=positions,
-                pixel_values=pixels,
-                image_grid_thw=grid,
-                mm_token_type_ids=mm,
-                **{self.cache_kwarg: cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        out = self._forward(
+            keys_B,
+            DynamicCache(config=config),
+            input_ids=input_ids_B_L,
+            attention_mask=mask_B_L,
+            position_ids=positions,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=mm,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :], _VLState(cache_of(out), mask_B_L, deltas)
 
-    def step(
-        self,
-        tokens_B: torch.Tensor,
-        positions_B: torch.Tensor,
-        keys_B: Sequence[str | None],
-        state: _VLState,
-    ) -> torch.Tensor:
-        mask = state.mask_B_L
-        state.mask_B_L = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        rope = (positions_B + state.deltas_B).view(1, -1, 1).expand(3, -1, -1)
-        with _route(self.host, keys_B):
-            out = self.model(
-                input_ids=tokens_B.unsqueeze(-1),
-                attention_mask=state.mask_B_L,
-                position_ids=rope,
-                **{self.cache_kwarg: state.cache},
-                use_cache=True,
-            )
-        state.cache = cache_of(out)
-        return out.logits[:, -1, :]
+    def _step_positions(self, positions_B: torch.Tensor, state: _VLState) -> torch.Tensor:
+        return (positions_B + state.deltas_B).view(1, -1, 1).expand(3, -1, -1)
 
     @staticmethod
-    def select(state: _VLState, index_B: torch.Tensor) -> None:
-        state.cache.batch_select_indices(index_B)
-        state.mask_B_L = state.mask_B_L.index_select(0, index_B)
+    def select(state: _VLState, index_B: torch.Tensor) -> None:  # type: ignore[override]
+        HFDecoder.select(state, index_B)
         state.deltas_B = state.deltas_B.index_select(0, index_B)
 
 
