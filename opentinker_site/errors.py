@@ -3,7 +3,8 @@
 DRF answers its own errors as ``{"detail": ...}``; these handlers give everything Django
 answers itself (a path no view matches, a body over ``DATA_UPLOAD_MAX_MEMORY_SIZE``, an
 exception no view caught) the same shape under ``/api/``, where clients parse JSON (the
-``tinker`` SDK prints the body of an error inside its exception). Pages keep Django's plain
+``tinker`` SDK prints the body of an error inside its exception), and OpenAI's shape under
+``/v1/``, whose clients read ``{"error": {...}}`` (docs/serving.md). Pages keep Django's plain
 error pages, which never show a traceback with DEBUG off.
 """
 
@@ -14,39 +15,47 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 
-API_PREFIXES = ("/api/", "/healthz")
+from tinker_api.serving.errors import ApiError
+
+OPENAI_PREFIX = "/v1/"
+API_PREFIXES = ("/api/", "/healthz", OPENAI_PREFIX)
 
 
 def wants_json(request: HttpRequest) -> bool:
     return request.path.startswith(API_PREFIXES)
 
 
+def _answer(request: HttpRequest, status: int, detail: str) -> JsonResponse:
+    if request.path.startswith(OPENAI_PREFIX):
+        return ApiError(status, detail).response()
+    return JsonResponse({"detail": detail}, status=status)
+
+
 def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
     if isinstance(exception, RequestDataTooBig):
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         if wants_json(request):
-            detail = f"request body too large: the limit is {limit} bytes"
-            return JsonResponse({"detail": detail}, status=413)
+            return _answer(request, 413, f"request body too large: the limit is {limit} bytes")
         return HttpResponse("Request body too large.", status=413, content_type="text/plain")
     if wants_json(request):
-        return JsonResponse({"detail": "bad request"}, status=400)
+        return _answer(request, 400, "bad request")
     return defaults.bad_request(request, exception)
 
 
 def permission_denied(request: HttpRequest, exception: Exception) -> HttpResponse:
     if wants_json(request):
-        return JsonResponse({"detail": "permission denied"}, status=403)
+        return _answer(request, 403, "permission denied")
     return defaults.permission_denied(request, exception)
 
 
 def page_not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     if wants_json(request):
-        return JsonResponse({"detail": f"no endpoint {request.method} {request.path}"}, status=404)
+        return _answer(request, 404, f"no endpoint {request.method} {request.path}")
     return defaults.page_not_found(request, exception)
 
 
 def server_error(request: HttpRequest) -> HttpResponse:
     if wants_json(request):
         # What failed is in the server's log; the answer says no more than that it failed.
-        return JsonResponse({"detail": "internal server error"}, status=500)
+        return _answer(request, 500, "internal server error")
     return defaults.server_error(request)

@@ -7,11 +7,18 @@ from django.contrib import admin
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.urls import include, path
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 
+# Exempt so that a POST gets the JSON 405 below, not the CSRF check's HTML 403 page.
+@csrf_exempt
 def healthz(request: HttpRequest) -> JsonResponse:
     """Liveness plus a database round trip, for load balancers and docker-compose."""
+    if request.method not in ("GET", "HEAD"):
+        response = JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
+        response["Allow"] = "GET, HEAD"
+        return response
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
     return JsonResponse({"status": "ok"})

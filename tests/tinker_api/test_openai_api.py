@@ -121,12 +121,52 @@ def test_it_lists_what_the_key_may_use_and_hides_other_teams(
         ids
     )
     assert all(m["object"] == "model" and m["root"] == BASE_NAME for m in mine["data"])
+    # The job's name, which resolves to the same adapter, follows its id.
+    assert ids[ids.index(job_id) + 1] == "adder"
     theirs = [m["id"] for m in bearer(outsider_key[1]).get("/v1/models").json()["data"]]
     assert theirs == [BASE_NAME]
     one = bearer(owner_key[1]).get(f"/v1/models/{job_id}:step-000002")
     assert one.status_code == 200 and one.json()["id"] == f"{job_id}:step-000002"
     hidden = bearer(outsider_key[1]).get(f"/v1/models/{job_id}")
     assert hidden.status_code == 404 and error_of(hidden)["code"] == "model_not_found"
+
+
+def adapter_job(team: Any, owner: Any, data_dir: Path, name: str) -> Job:
+    """A finished job of ``team`` named ``name``, with a final adapter on disk."""
+    job = Job.objects.create(
+        team=team,
+        created_by=owner,
+        name=name,
+        spec={"method": "rl", "env": "bandit", "base_model": BASE_NAME},
+        spec_version=1,
+        state=JobState.SUCCEEDED,
+    )
+    adapter = data_dir / "jobs" / str(job.pk) / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    return job
+
+
+def test_it_lists_a_job_name_once_for_the_job_it_resolves_to(
+    served: Any, team: Any, owner: Any, tinker_data_dir: Path, owner_key: tuple[Any, str]
+) -> None:
+    older = adapter_job(team, owner, tinker_data_dir, "adder")
+    newer = adapter_job(team, owner, tinker_data_dir, "adder")
+    shadowed = adapter_job(team, owner, tinker_data_dir, BASE_NAME)
+    client = bearer(owner_key[1])
+    listed = client.get("/v1/models").json()["data"]
+    ids = [m["id"] for m in listed]
+    assert ids == [
+        BASE_NAME,
+        f"job:{shadowed.pk}",
+        f"job:{newer.pk}",
+        "adder",
+        f"job:{older.pk}",
+    ]
+    # Every listed name is one the API serves, as the same model.
+    for entry in listed:
+        one = client.get(f"/v1/models/{entry['id']}")
+        assert one.status_code == 200 and one.json() == entry
 
 
 def test_it_lists_a_teams_sampler_weights_alone(
@@ -197,6 +237,32 @@ def test_it_answers_404_for_another_teams_job_by_id_name_and_checkpoint(
             "messages[0].content[0]",
         ),
         ({"seed": "abc"}, "seed"),
+        # Strict types, as OpenAI's: a bool, a numeric string or a float is no integer.
+        ({"n": "2"}, "n"),
+        ({"n": True}, "n"),
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"seed": 1.0}, "seed"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "function", "name": "f", "content": "4"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"stop": ["\ud800"]}, "stop[0]"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias.\u00b2"),
+        ({"logit_bias": {"\u0663": 1}}, "logit_bias.\u0663"),
+        ({"logit_bias": {"0005": 1, "5": 2}}, "logit_bias.5"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ],
 )
 def test_it_answers_400_naming_the_bad_chat_parameter(
@@ -220,6 +286,15 @@ def test_it_answers_400_naming_the_bad_chat_parameter(
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a"] * 65}, "prompt"),
         ({"prompt": {"text": "a"}}, "prompt"),
+        ({"prompt": [True, False]}, "prompt"),
+        ({"prompt": [1.0, 2.0]}, "prompt"),
+        ({"prompt": [[1], [2.0]]}, "prompt"),
+        ({"logprobs": True}, "logprobs"),
+        ({"n": "2"}, "n"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "\ud800"}, "prompt"),
+        ({"prompt": ["a", "\ud800"]}, "prompt[1]"),
+        ({"logit_bias": {"\u00b9": 1}}, "logit_bias.\u00b9"),
     ],
 )
 def test_it_answers_400_naming_the_bad_completion_parameter(
@@ -248,6 +323,84 @@ def test_it_answers_unknown_endpoints_and_methods_in_openai_shape(
     assert error_of(client.get("/v1/embeddings"))["type"] == "invalid_request_error"
     assert client.get(CHAT).status_code == 405
     assert error_of(client.get(CHAT))["message"].startswith("method GET")
+
+
+def test_it_says_why_a_chat_parameter_is_refused(served: Any, owner_key: tuple[Any, str]) -> None:
+    client = bearer(owner_key[1])
+    for body, said in (
+        ({"stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "text must be a string",
+        ),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "surrogate"),
+        ({"logit_bias": {"0005": 1, "5": 2}}, "'0005' and '5' name the same token"),
+        ({"logit_bias": {"\u00b2": 1}}, "is not a token id"),
+        ({"seed": 2**63}, "less than or equal to 9223372036854775807"),
+    ):
+        response = post(client, CHAT, {"model": BASE_NAME, "messages": QUESTION, **body})
+        assert response.status_code == 400, body
+        assert said in error_of(response)["message"], body
+
+
+def test_it_refuses_bodies_nested_too_deeply_or_with_overlong_numbers(
+    served: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    client = bearer(owner_key[1])
+    # The start of a valid body, left open for the field each case adds.
+    start = json.dumps({"model": BASE_NAME, "messages": QUESTION})[:-1]
+    for raw, said in (
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        ((start + ', "tools": ' + "[" * 100 + "]" * 100 + "}").encode(), "nested more than"),
+        ((start + ', "n": ' + "9" * 5000 + "}").encode(), "more than 4300 digits"),
+        ((start + ', "seed": -' + "1" * 4301 + "}").encode(), "more than 4300 digits"),
+    ):
+        response = client.post(CHAT, data=raw, content_type="application/json")
+        assert response.status_code == 400
+        error = error_of(response)
+        assert said in error["message"] and error["param"] is None
+        # Nothing about the interpreter (sys.set_int_max_str_digits) reaches the client.
+        assert "sys." not in error["message"]
+    assert queued_ops(redis_client) == []
+
+
+def test_it_answers_an_unexpected_error_as_openai_json(
+    served: Any, owner_key: tuple[Any, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(caller: Any) -> Any:
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr("tinker_api.services.serving.list_models", broken)
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {owner_key[1]}", raise_request_exception=False)
+    response = client.get("/v1/models")
+    assert response.status_code == 500
+    error = error_of(response)
+    assert error["type"] == "server_error" and "secret" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("post", "/v1/responses"),
+        ("post", "/v1/chat/completions/"),
+        ("put", "/v1/models"),
+        ("delete", "/v1/files/x"),
+        ("patch", "/v1/embeddings"),
+    ],
+)
+def test_it_answers_unknown_endpoints_json_whatever_the_method(
+    served: Any, owner_key: tuple[Any, str], method: str, path: str
+) -> None:
+    """Unknown endpoints are JSON 404s, not Django's CSRF page, for a client that sends no
+    CSRF token (none of OpenAI's does)."""
+    client = Client(enforce_csrf_checks=True, HTTP_AUTHORIZATION=f"Bearer {owner_key[1]}")
+    response = getattr(client, method)(path, data="{}", content_type="application/json")
+    if path == "/v1/models":
+        assert response.status_code == 405
+    else:
+        assert response.status_code == 404
+        assert error_of(response)["message"] == f"unknown endpoint {method.upper()} {path}"
+    assert error_of(response)["type"] == "invalid_request_error"
 
 
 def test_it_answers_429_with_retry_after_when_the_queue_is_full(

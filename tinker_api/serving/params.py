@@ -1,9 +1,10 @@
 """OpenAI request bodies: validated here, at the door, into the op a model worker runs.
 
 Field names, ranges and defaults follow OpenAI's API reference. What the engine cannot do
-(penalties, logit bias, JSON mode, ``echo``, ``suffix``, images) is refused with a 400 naming
-the parameter rather than silently ignored; fields that only describe the caller (``user``,
-``metadata``, ``store``) are accepted and ignored. An unknown field is a 400, as OpenAI does.
+(JSON mode, ``echo``, ``suffix``, images) is refused with a 400 naming the parameter rather
+than silently ignored; fields that only describe the caller (``user``, ``metadata``,
+``store``) are accepted and ignored. An unknown field is a 400, as OpenAI does. Types are
+strict, as OpenAI's are: ``"2"``, ``true`` or ``2.0`` is no integer, ``"yes"`` no boolean.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tinker_api.serving.errors import ApiError
 
@@ -22,10 +23,21 @@ MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 # OpenAI's default for /v1/completions (chat's default is the worker's).
 COMPLETION_MAX_TOKENS = 16
+# OpenAI's bounds for seed: a signed 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# How deep a body may nest. Nothing OpenAI defines nests half this deep (a tool's JSON schema
+# is the deepest), and the rendering and queueing further on recurse through the body.
+MAX_DEPTH = 64
+# Python's own limit on the digits of an int it parses (sys.get_int_max_str_digits()).
+MAX_INT_DIGITS = 4300
+# A token id is far below this many digits (leading zeros aside).
+MAX_TOKEN_ID_DIGITS = 18
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -34,10 +46,12 @@ class StreamOptions(_Strict):
 
 
 class Message(BaseModel):
-    # Tool and function fields vary by template; the template reads what it knows.
-    model_config = ConfigDict(extra="allow")
+    # Tool fields vary by template; the template reads what it knows.
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # OpenAI's deprecated "function" role is refused (docs/serving.md): chat templates know
+    # a call's result as a "tool" message.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -52,7 +66,7 @@ class _Common(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int | None = Field(None, ge=1)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -85,6 +99,34 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        # The union's own error names whichever member it tried first ("a valid string"),
+        # which misleads for a list of the wrong items.
+        if not _is_prompt(value):
+            raise ValueError(f"must be {PROMPT_SHAPES}")
+        return value
+
+
+def _is_token_ids(value: Any) -> bool:
+    # bool is an int to Python, not to OpenAI.
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list):
+        return False
+    return (
+        all(isinstance(p, str) for p in value)
+        or _is_token_ids(value)
+        or all(_is_token_ids(p) for p in value)
+    )
+
 
 # pydantic names the union member it tried ("str", "list[int]", "StreamOptions") in an
 # error's location: not part of the parameter's name.
@@ -101,13 +143,60 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
+class _NumberTooLong(ValueError):
+    pass
+
+
+def _int(text: str) -> int:
+    # Past Python's limit int() raises with advice about the interpreter, which is no use to
+    # a client.
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _NumberTooLong(f"a number has more than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _check_strings(data: Any) -> None:
+    """Refuse a body nested deeper than MAX_DEPTH, and lone UTF-16 surrogates (JSON's
+    ``"\\ud800"``) in any string or key: no tokenizer can encode them. Iterative, because the
+    body may nest nearly as deep as the interpreter recurses."""
+    todo: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while todo:
+        value, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the body is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                point = f"U+{ord(found.group()):04X}"
+                raise ApiError(
+                    400, f"{where}: surrogate characters are not allowed: {point}", where or None
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{where}.{key}" if where else str(key)
+                if _SURROGATE.search(key):
+                    raise ApiError(
+                        400,
+                        f"{where or 'body'}: surrogate characters are not allowed in keys",
+                        where or None,
+                    )
+                todo.append((item, inner, depth + 1))
+        elif isinstance(value, list):
+            todo.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
 def _parse(model: type[_Common], body: bytes) -> Any:
     try:
-        data = json.loads(body or b"null")
+        data = json.loads(body or b"null", parse_int=_int)
+    except _NumberTooLong as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the body is not valid JSON: it is nested too deeply") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    _check_strings(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -115,20 +204,35 @@ def _parse(model: type[_Common], body: bytes) -> Any:
         param = _param(tuple(first["loc"]))
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from exc
-        raise ApiError(400, f"{param}: {first['msg']}", param or None) from exc
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {message}", param or None) from exc
 
 
 def _logit_bias(req: _Common) -> dict[str, float]:
     """OpenAI's logit_bias: token ids (as strings) to biases in [-100, 100]."""
     out: dict[str, float] = {}
+    given: dict[str, str] = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.isdigit():
-            raise ApiError(400, f"logit_bias: {key!r} is not a token id", f"logit_bias.{key}")
-        if not -100.0 <= value <= 100.0:
+        where = f"logit_bias.{key}"
+        # str.isdigit() also takes "²" and "٣", which int() refuses or reads as another id.
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id", where)
+        digits = key.lstrip("0") or "0"
+        if len(digits) > MAX_TOKEN_ID_DIGITS:
             raise ApiError(
-                400, f"logit_bias: {value} for {key} is outside [-100, 100]", f"logit_bias.{key}"
+                400,
+                f"logit_bias: a token id of {len(digits)} digits is outside the vocabulary",
+                "logit_bias",
             )
-        out[str(int(key))] = float(value)
+        if not -100.0 <= value <= 100.0:
+            raise ApiError(400, f"logit_bias: {value} for {key} is outside [-100, 100]", where)
+        token = str(int(digits))
+        if token in given:
+            raise ApiError(
+                400, f"logit_bias: {given[token]!r} and {key!r} name the same token", where
+            )
+        given[token] = key
+        out[token] = float(value)
     return out
 
 
@@ -162,18 +266,37 @@ def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type")
-        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+        if kind not in ("text", "input_text"):
             raise ApiError(
                 400,
                 f"content parts of type {kind!r} are not supported (this server is text-only)",
                 f"{where}.content[{i}]",
             )
+        if not isinstance(part.get("text"), str):
+            param = f"{where}.content[{i}].text"
+            raise ApiError(400, f"{param}: a text part's text must be a string", param)
         parts.append(part["text"])
     return "".join(parts)
 
 
+def _check_message(m: Message, where: str) -> None:
+    if m.content is None and m.role != "assistant":
+        # Only an assistant message may leave content out (its tool_calls say what it did).
+        param = f"{where}.content"
+        raise ApiError(400, f"{param}: a {m.role} message needs content", param)
+    if m.role == "tool" and m.tool_call_id is None:
+        param = f"{where}.tool_call_id"
+        raise ApiError(400, f"{param}: a tool message needs the id of the call it answers", param)
+
+
+def _check_stream(req: _Common) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+
 def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     req = _parse(ChatRequest, body)
+    _check_stream(req)
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise ApiError(
@@ -186,6 +309,7 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
     messages = []
     for i, m in enumerate(req.messages):
+        _check_message(m, f"messages[{i}]")
         rendered: dict[str, Any] = {k: v for k, v in m.model_dump().items() if v is not None}
         # Chat templates know system, not OpenAI's newer "developer".
         rendered["role"] = "system" if m.role == "developer" else m.role
@@ -206,6 +330,7 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
 
 def completion_op(body: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
     req = _parse(CompletionRequest, body)
+    _check_stream(req)
     if req.echo:
         raise ApiError(400, "echo is not supported by this server", "echo")
     if req.suffix:

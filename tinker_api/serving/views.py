@@ -23,6 +23,7 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.exceptions import AuthenticationFailed
 
 from accounts.authentication import ApiKeyAuthentication
+from jobs.models import Job
 from tinker_api import events
 from tinker_api.services import serving
 from tinker_api.services.lookups import Caller
@@ -71,6 +72,9 @@ def endpoint(*methods: str) -> Callable[..., Any]:
     return decorate
 
 
+# Exempt, or Django's CSRF check answers a POST to an unknown path with its HTML 403 page
+# before this view runs.
+@csrf_exempt
 def not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
     return ApiError(404, f"unknown endpoint {request.method} {request.path}").response()
 
@@ -94,9 +98,43 @@ def _resolve(caller: Caller, name: str) -> serving.Served:
         raise ApiError(400, str(exc), "model", "model_not_servable") from exc
 
 
+def _listed(caller: Caller) -> list[serving.Served]:
+    """``serving.list_models``, each job's ``job:<id>`` followed by the job's name where the
+    name resolves to that same adapter: the newest job of that name with one (the listing is
+    newest first), and not a base model's name."""
+    listed = serving.list_models(caller)
+    ids = [s.name.removeprefix(serving.JOB_PREFIX) for s in listed if _is_job_id(s.name)]
+    names = {
+        f"{serving.JOB_PREFIX}{pk}": name
+        for pk, name in Job.objects.filter(team_id=caller.team_id, pk__in=ids).values_list(
+            "pk", "name"
+        )
+    }
+    out: list[serving.Served] = []
+    seen: set[str] = set()
+    for served in listed:
+        out.append(served)
+        name = names.get(served.name)
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        try:
+            found = serving.resolve(caller, name)
+        except (serving.UnknownModel, serving.NotServable):
+            continue
+        if found.target == served.target:
+            out.append(found)
+    return out
+
+
+def _is_job_id(name: str) -> bool:
+    """``job:<id>``, not one of its checkpoints (``job:<id>:<checkpoint>``)."""
+    return name.startswith(serving.JOB_PREFIX) and name.count(":") == 1
+
+
 @endpoint("GET")
 def models(request: HttpRequest, caller: Caller) -> HttpResponse:
-    data = [_model_object(s) for s in serving.list_models(caller)]
+    data = [_model_object(s) for s in _listed(caller)]
     return JsonResponse({"object": "list", "data": data})
 
 

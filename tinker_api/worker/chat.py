@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 
 
+class Stopped(RuntimeError):
+    """The worker ends its requests (it stops): the reason is the client's to read."""
+
+
 class BadRequest(RequestError):
     """A request the client must change: answered 400 naming ``param``."""
 
@@ -115,16 +119,20 @@ class ChatHandler:
 
     # ------------------------------------------------------------------ prompts
 
+    def _text_config(self) -> Any:
+        # A vision-language config keeps the decoder's sizes in its text config; a text-only
+        # config returns itself.
+        return self.engine.model.config.get_text_config()
+
     def _context(self, op: Op) -> int:
-        model_config: Any = self.engine.model.config
+        model_config = self._text_config()
         limit = int(op.fields.get("max_context") or 0)
         positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
         return min(x for x in (limit, positions) if x) if (limit or positions) else 0
 
     def _prompts(self, op: Op) -> list[list[int]]:
         f = op.fields
-        model_config: Any = self.engine.model.config
-        vocab = int(model_config.vocab_size)
+        vocab = int(self._text_config().vocab_size)
         if f["mode"] == "chat":
             if not getattr(self.tokenizer, "chat_template", None):
                 raise BadRequest(
@@ -219,9 +227,13 @@ class ChatHandler:
             event = {"t": "error", "status": 400, "message": str(exc), "param": exc.param}
         elif isinstance(exc, RequestError):
             event = {"t": "error", "status": 400, "message": str(exc), "param": "model"}
+        elif isinstance(exc, Stopped):
+            event = {"t": "error", "status": 500, "message": str(exc)}
         else:
             log.exception("chat request %s failed", op.rid)
-            event = {"t": "error", "status": 500, "message": f"{type(exc).__name__}: {exc}"}
+            # The exception's text describes the server, not the request: it stays in the log.
+            message = f"the model worker failed on request {op.rid}; its log holds the cause"
+            event = {"t": "error", "status": 500, "message": message}
         events.publish([(op.rid, event)])
         futures.fail(op.rid, str(event["message"]), "user" if event["status"] == 400 else "server")
         futures.samples_answered(self.base, 1)
@@ -345,7 +357,7 @@ class ChatHandler:
     def fail_all(self, exc: Exception | str) -> None:
         """End every request in the batch or waiting for it with an error (the worker stops,
         or the batch failed)."""
-        error = exc if isinstance(exc, Exception) else RuntimeError(exc)
+        error = exc if isinstance(exc, Exception) else Stopped(exc)
         for run in self.runs:
             if not run.ended:
                 run.ended = True
