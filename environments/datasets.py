@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +94,15 @@ def iter_rows(
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     yield number, RowError(number, None, f"not valid JSON: {exc}")
                     continue
+                except RecursionError:
+                    yield number, RowError(number, None, "not valid JSON: nested too deeply")
+                    continue
+                except ValueError:
+                    # Python refuses to convert integers this long (a denial-of-service guard);
+                    # its message names interpreter settings, not the row's problem.
+                    reason = "not valid JSON: a number has more than 4300 digits"
+                    yield number, RowError(number, None, reason)
+                    continue
                 if not isinstance(value, dict):
                     yield (
                         number,
@@ -118,8 +129,42 @@ def iter_rows(
         raise ValueError(f"unknown dataset format {fmt!r}; expected one of {FORMATS}")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unstorable(value: Any) -> str | None:
+    """Why a cell cannot be stored and read back as the same text or number, or None.
+
+    NaN and Infinity are not JSON (Python writes and reads them anyway) and no answer
+    compares equal to them; a lone surrogate (``"\\ud800"`` in JSON) is not a character and
+    the tokenizer refuses it when the row is used. Iterative: a cell may be deeply nested.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            name = "NaN" if math.isnan(item) else "Infinity" if item > 0 else "-Infinity"
+            return f"{name} is not allowed: numbers must be finite"
+        if isinstance(item, str) and _SURROGATE.search(item):
+            return "surrogate characters are not allowed (a lone \\ud800-\\udfff escape)"
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
+
+
 def check_row(number: int, row: dict[str, Any], schema: DatasetSchema) -> list[RowError]:
     errors: list[RowError] = []
+    for name, value in row.items():
+        if unstorable(name):
+            # The name itself cannot be echoed back in a JSON answer.
+            errors.append(RowError(number, None, f"a column name: {unstorable(name)}"))
+        elif reason := unstorable(value):
+            errors.append(RowError(number, name, reason))
+    if errors:
+        return errors
     for col in schema.columns:
         if col.name not in row or row[col.name] is None:
             if col.required:

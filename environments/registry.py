@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +40,18 @@ from environments.types import DataSource, GroupBuilder, Interaction
 class ContractError(ValueError):
     """A job's environment settings break a registry rule. `field` names the offending key."""
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, *, more: Sequence[tuple[str, str]] = ()) -> None:
         self.field = field
         self.reason = reason
+        self.more = list(more)
         super().__init__(reason)
 
     def as_dict(self) -> dict[str, str]:
         return {"field": self.field, "reason": self.reason}
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Every ``(field, reason)`` found, this error's first (a config may break several)."""
+        return [(self.field, self.reason), *self.more]
 
 
 GroupFactory = Callable[..., GroupBuilder]
@@ -171,10 +176,12 @@ def make_config(env_name: str, config: dict[str, Any] | None = None) -> Any:
         return spec.config_cls(**config)
     except ValidationError as exc:
         # Pydantic configs say which setting is wrong: name it, as for an unknown key.
-        first = exc.errors()[0]
-        path = ".".join(str(part) for part in first["loc"])
-        reason = str(first["msg"]).removeprefix("Value error, ")
-        raise ContractError(f"env_config.{path}" if path else "env_config", reason) from exc
+        found = []
+        for error in exc.errors():
+            path = ".".join(str(part) for part in error["loc"])
+            reason = str(error["msg"]).removeprefix("Value error, ")
+            found.append((f"env_config.{path}" if path else "env_config", reason))
+        raise ContractError(*found[0], more=found[1:]) from exc
     except (TypeError, ValueError) as exc:
         raise ContractError("env_config", str(exc)) from exc
 

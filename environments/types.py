@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypedDict
 
+from pydantic import ConfigDict
+
 from environments.images import images_in
+
+# The built-in envs' configs come from a job's JSON: checked as strictly as the JobSpec around
+# them (JSON "64" is not 64, true is not 1), so a bad setting is refused at submission instead
+# of failing, or silently scoring nonsense, in the middle of a run.
+STRICT_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class Message(TypedDict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -212,3 +213,47 @@ class BaseModel(models.Model):
         except (OSError, ValueError):
             return None
         return config.get("image_token_id") is not None
+
+    def module_names(self) -> frozenset[str] | None:
+        """The dotted names of the language model's modules that hold weights, read from the
+        safetensors headers (their index, or the file's JSON header) without loading a weight;
+        None when they cannot be read on this host. What LoRA ``target_modules`` may name; the
+        vision tower is left out, since LoRA adapts the language model only."""
+        root = self.resolved_path()
+        try:
+            config = json.loads((root / "config.json").read_text())
+            index = root / "model.safetensors.index.json"
+            if index.is_file():
+                tensors = list(json.loads(index.read_text())["weight_map"])
+            else:
+                tensors = list(_safetensors_header(root / "model.safetensors"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        names = {
+            name.rsplit(".", 1)[0]
+            for name in tensors
+            if "." in name and "visual" not in name.split(".")[:2]
+        }
+        if config.get("tie_word_embeddings"):
+            # A tied output head shares the embedding's weight, which is all the file stores;
+            # the module is there all the same, under the name transformers gives it.
+            names.add("lm_head")
+        return frozenset(names)
+
+
+# A safetensors file starts with the length of its JSON header (8 bytes, little endian). Real
+# headers are kilobytes to a few megabytes: a larger length means a corrupt file, not a header
+# worth reading into the web process.
+MAX_SAFETENSORS_HEADER = 100 * 1024**2
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= MAX_SAFETENSORS_HEADER:
+            raise ValueError(f"{path} has no safetensors header")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has no safetensors header")
+    header.pop("__metadata__", None)
+    return header

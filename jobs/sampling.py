@@ -45,7 +45,12 @@ class BadSampleRequest(ValueError):
 
 
 class SamplerBusy(Exception):
-    """No room now (the team's requests in flight, or the base model's queue): retry soon."""
+    """No room now (the team's requests in flight, the base model's queue, or the team's
+    per-minute quota): retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class SamplerUnavailable(Exception):

@@ -181,12 +181,12 @@ class BaseModelSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class SampleMessageSerializer(serializers.Serializer):
+class SampleMessageSerializer(RefuseUnknownFields, serializers.Serializer):
     role = serializers.ChoiceField(choices=["system", "user", "assistant"])
     content = serializers.CharField(max_length=20_000, allow_blank=True, trim_whitespace=False)
 
 
-class SampleRequestSerializer(serializers.Serializer):
+class SampleRequestSerializer(RefuseUnknownFields, serializers.Serializer):
     """Bounded on purpose: quick looks at a policy, answered by a model worker between the
     requests it serves (``/v1/completions`` is the way to heavier generation)."""
 

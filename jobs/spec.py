@@ -325,7 +325,7 @@ def _env_errors(spec: JobSpecV1) -> list[tuple[str, str]]:
     try:
         make_config(env.name, spec.env_config)
     except ContractError as exc:
-        errors.append((exc.field, exc.reason))
+        errors.extend(exc.problems())
     if spec.method == "sft" and env.data_source is not DataSource.DATASET:
         errors.append(
             ("env", f"method 'sft' learns from a dataset's answers; env {env.name!r} has none")

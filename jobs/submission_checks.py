@@ -43,11 +43,34 @@ def check_base_model(parsed: JobSpec) -> list[dict[str, str]]:
         errors = check_base_model_limits(
             parsed, max_lora_rank=model.max_lora_rank, max_context=model.max_context
         )
-        return errors + _check_images(parsed, model)
+        return errors + _check_images(parsed, model) + _check_target_modules(parsed, model)
     available = ", ".join(BaseModel.objects.enabled().values_list("name", flat=True)) or "none"
     reason = "is disabled" if model is not None else "is not a registered base model"
     return [
         {"field": "base_model", "reason": f"{parsed.base_model!r} {reason}; available: {available}"}
+    ]
+
+
+def _check_target_modules(parsed: JobSpec, model: BaseModel) -> list[dict[str, str]]:
+    """Each LoRA target must name a module of the base model, matched as the trainer matches
+    it (the whole dotted name or its last components): a typo would otherwise fail the job
+    once it holds GPUs, or, beside a good name, leave that module silently untrained."""
+    targets = parsed.lora.target_modules
+    if parsed.method not in ("rl", "sft") or parsed.full_finetune or isinstance(targets, str):
+        return []
+    modules = model.module_names()
+    if modules is None:  # not readable on this host: the trainer checks it where it loads
+        return []
+    missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
+    if not missing:
+        return []
+    known = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))
+    return [
+        {
+            "field": "lora.target_modules",
+            "reason": f"base model {model.name!r} has no module named "
+            f"{', '.join(repr(t) for t in missing)}; its modules: {known}",
+        }
     ]
 
 

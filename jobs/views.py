@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections import defaultdict
 
 from django.core.files.uploadhandler import FileUploadHandler, SkipFile
@@ -15,7 +16,6 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
-from rest_framework.pagination import CursorPagination
 from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -23,6 +23,7 @@ from rest_framework.views import APIView
 
 from accounts.exceptions import Conflict
 from accounts.models import Quota
+from accounts.pagination import CheckedCursorPagination
 from accounts.scoping import resolve_team, team_ids_for
 
 from . import artifacts, datasets, sampling, services
@@ -49,7 +50,7 @@ from .spec import SpecError
 FILE_TYPES = {".json": "application/json", ".jsonl": "application/jsonl"}
 
 
-class EventCursorPagination(CursorPagination):
+class EventCursorPagination(CheckedCursorPagination):
     # Events read as a log: oldest first.
     ordering = ("created", "id")
     page_size = 100
@@ -263,7 +264,8 @@ class JobViewSet(
             return Response(
                 {"detail": str(exc)},
                 status=status.HTTP_429_TOO_MANY_REQUESTS,
-                headers={"Retry-After": "1"},
+                # Whole seconds (RFC 9110), never less than the wait the message gives.
+                headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
             )
         except sampling.SamplerUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)

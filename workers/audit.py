@@ -1,5 +1,6 @@
 """Writes the ``GpuLeaseRecord`` audit rows. Failures are logged, never raised: Redis has
-already decided, and a missing audit row must not stop a job or a release."""
+already decided, and a missing audit row must not stop a job or a release. Leases of services
+(Tinker model workers) have no job row: their audit is the log line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from django.db import DatabaseError
 from django.utils import timezone
 
-from workers.locktable import Lease
+from workers.locktable import Lease, is_job_id
 from workers.models import GpuLeaseRecord
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ def lease_acquired(lease: Lease, attempt: int) -> None:
 
 def lease_ended(job_id: str, attempt: int | None, outcome: str) -> None:
     """Close the open record of ``job_id`` (of ``attempt`` if given)."""
+    if not is_job_id(job_id):
+        log.info("the lease of %s ended: %s", job_id, outcome)
+        return
     try:
         rows = GpuLeaseRecord.objects.filter(job_id=job_id, outcome=GpuLeaseRecord.Outcome.HELD)
         if attempt is not None:

@@ -18,7 +18,7 @@ from jobs.models import ACTIVE_STATES, Job, JobState
 from workers import audit, conf
 from workers.celeryconf import CONTROL_QUEUE, ENFORCE_CANCEL_TASK
 from workers.dispatcher import request_dispatch
-from workers.locktable import GpuLockTable
+from workers.locktable import GpuLockTable, Lease
 from workers.outages import RateLimitedWarning
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,13 @@ def reap() -> dict[str, Any]:
     ``OPENTINKER_MAX_ATTEMPTS``; or CANCELLED if a cancel was requested), through
     ``jobs.services.requeue_job``. A STARTING/RUNNING job with no lease at all (Redis lost its
     state) is treated the same once it has been silent for two lease periods. A node that let
-    a lease expire is withdrawn from placement until its worker refreshes it again.
+    a lease expire is withdrawn from placement until its worker refreshes it again. A lease
+    held by a service (a Tinker model worker) is reclaimed and logged: there is no job to
+    requeue, and the service's next request starts a new worker.
+
+    Each lease and job is handled on its own: one that fails is logged and the pass goes on,
+    since the leases are already reclaimed and a job skipped here would stay STARTING or
+    RUNNING on GPUs it no longer holds.
     """
     table = _table()
     requeued: list[str] = []
@@ -176,42 +182,73 @@ def reap() -> dict[str, Any]:
     for node in {lease.node for lease in reclaimed}:
         table.withdraw(node)
     for lease in reclaimed:
-        audit.lease_ended(lease.job_id, None, "reaped")
-        row = Job.objects.filter(pk=lease.job_id).values("state", "attempt").first()
-        if row is None or row["state"] not in ACTIVE_STATES:
-            continue
-        reason = f"lease on {lease.node} expired: its worker stopped heartbeating"
-        if services.requeue_job(
-            lease.job_id, attempt=row["attempt"], reason=reason, max_attempts=conf.max_attempts()
-        ):
-            requeued.append(lease.job_id)
-        clear_cancel(lease.job_id)
+        try:
+            if _end_reclaimed(lease):
+                requeued.append(lease.job_id)
+        except Exception:
+            log.exception(
+                "reaper: could not end %s, whose lease on %s expired", lease.job_id, lease.node
+            )
 
     # A cancel whose scheduled enforcement was lost (a worker restart) is enforced here.
     overdue = timezone.now() - timedelta(seconds=2 * CANCEL_GRACE_SECONDS)
     for job_id in Job.objects.filter(
         state__in=ACTIVE_STATES, cancel_requested=True, cancel_requested_at__lt=overdue
     ).values_list("id", flat=True):
-        if enforce_cancel(str(job_id)):
-            requeued.append(str(job_id))
+        try:
+            if enforce_cancel(str(job_id)):
+                requeued.append(str(job_id))
+        except Exception:
+            log.exception("reaper: could not enforce the cancel of job %s", job_id)
 
     silent_since = timezone.now() - timedelta(seconds=2 * conf.lease_seconds())
     stale = Job.objects.filter(state__in=ACTIVE_STATES, heartbeat__lt=silent_since).values_list(
         "id", "attempt"
     )
     for job_id, attempt in stale:
-        if table.lease_of(str(job_id)) is not None:
-            continue
-        if services.requeue_job(
-            job_id,
-            attempt=attempt,
-            reason="the job held no GPU lease (control-plane state lost)",
-            max_attempts=conf.max_attempts(),
-        ):
-            requeued.append(str(job_id))
-            audit.lease_ended(str(job_id), attempt, "reaped")
+        try:
+            if _requeue_leaseless(table, str(job_id), attempt):
+                requeued.append(str(job_id))
+        except Exception:
+            log.exception("reaper: could not requeue job %s, which holds no lease", job_id)
     admitted = request_dispatch()
     reclaimed_ids = [lease.job_id for lease in reclaimed]
     if reclaimed or requeued:
         log.info("reaper: reclaimed %s, requeued or ended %s", reclaimed_ids, requeued)
     return {"reclaimed": reclaimed_ids, "requeued": requeued, "admitted": admitted}
+
+
+def _end_reclaimed(lease: Lease) -> bool:
+    """End what held ``lease``, now reclaimed; True when a job was requeued or ended."""
+    audit.lease_ended(lease.job_id, None, "reaped")
+    if not lease.is_job:
+        log.warning(
+            "reaper: reclaimed %s from %s, which stopped heartbeating (not a job: nothing to"
+            " requeue)",
+            " ".join(lease.gpu_ids),
+            lease.job_id,
+        )
+        return False
+    row = Job.objects.filter(pk=lease.job_id).values("state", "attempt").first()
+    if row is None or row["state"] not in ACTIVE_STATES:
+        return False
+    reason = f"lease on {lease.node} expired: its worker stopped heartbeating"
+    ended = services.requeue_job(
+        lease.job_id, attempt=row["attempt"], reason=reason, max_attempts=conf.max_attempts()
+    )
+    clear_cancel(lease.job_id)
+    return ended
+
+
+def _requeue_leaseless(table: GpuLockTable, job_id: str, attempt: int) -> bool:
+    if table.lease_of(job_id) is not None:
+        return False
+    if not services.requeue_job(
+        job_id,
+        attempt=attempt,
+        reason="the job held no GPU lease (control-plane state lost)",
+        max_attempts=conf.max_attempts(),
+    ):
+        return False
+    audit.lease_ended(job_id, attempt, "reaped")
+    return True

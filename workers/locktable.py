@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import secrets
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_PREFIX", "GpuLockTable", "Lease"]
+__all__ = ["DEFAULT_PREFIX", "GpuLockTable", "Lease", "is_job_id"]
 
 DEFAULT_PREFIX = "ot:gpu:"
 
@@ -219,9 +220,24 @@ class Lease:
         return len(self.blocks) > 1
 
     @property
+    def is_job(self) -> bool:
+        """Whether the holder is a job (its id is the job's UUID). Services hold blocks too,
+        under names of their own (a Tinker model worker is ``tinker:<base>:<suffix>``), and
+        have no job row to requeue or audit."""
+        return is_job_id(self.job_id)
+
+    @property
     def gpu_ids(self) -> list[str]:
         """The ``"node:index"`` names the job records store (every member's)."""
         return [f"{node}:{g}" for node, gpus in self.blocks for g in gpus]
+
+
+def is_job_id(holder: str) -> bool:
+    try:
+        uuid.UUID(holder)
+    except ValueError:
+        return False
+    return True
 
 
 def _decode(value: Any) -> str:

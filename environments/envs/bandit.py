@@ -12,23 +12,29 @@ import random
 import re
 from dataclasses import dataclass
 
-from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+from pydantic import Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from environments.types import (
+    STRICT_CONFIG,
+    Episode,
+    GroupBuilder,
+    Message,
+    StepResult,
+    StopCondition,
+)
 
 _BOXED = re.compile(r"\\boxed\{\s*(?:arm\s*)?(-?\d+)\s*\}", re.IGNORECASE)
 _ARM = re.compile(r"\barm\s*#?\s*(-?\d+)\b", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=STRICT_CONFIG)
 class BanditConfig:
-    n_arms: int = 5
+    n_arms: int = Field(default=5, ge=2, le=100)
     env_seed: int = 0
     """Fixes the hidden arm means for the whole environment."""
     invalid_reward: float = 0.0
-    max_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.n_arms <= 100:
-            raise ValueError(f"n_arms must be in [2, 100], got {self.n_arms}")
+    max_tokens: int = Field(default=16, ge=1)
 
 
 def arm_means(config: BanditConfig) -> list[float]:

@@ -20,22 +20,32 @@ import binascii
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from environments import images
 from environments.grading import answers_match, extract_answer, has_format
-from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+from environments.types import (
+    STRICT_CONFIG,
+    Episode,
+    GroupBuilder,
+    Message,
+    StepResult,
+    StopCondition,
+)
 
 IMAGE_MARK = "<image>"
 MAX_IMAGES = 8
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=STRICT_CONFIG)
 class GeometryConfig:
     format_reward: float = 0.0
     """Added when the answer is inside \\boxed{} (0 disables the format reward)."""
     prompt_suffix: str = ""
     """Appended to the problem text, e.g. " Give the answer in \\boxed{}."."""
     system_prompt: str = ""
-    max_tokens: int = 64
+    max_tokens: int = Field(default=64, ge=1)
 
 
 def image_bytes(value: Any) -> bytes:

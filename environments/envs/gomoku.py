@@ -21,8 +21,13 @@ import random
 import re
 import threading
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from environments.types import (
+    STRICT_CONFIG,
     Episode,
     GroupBuilder,
     Message,
@@ -38,33 +43,30 @@ _BOXED_MOVE = re.compile(r"\\boxed\{\s*(-?\d+)\s*,\s*(-?\d+)\s*\}")
 _BARE_MOVE = re.compile(r"(?<![\d.])(-?\d+)\s*,\s*(-?\d+)(?![\d.])")
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=STRICT_CONFIG)
 class GomokuConfig:
-    size: int = 5
-    win_length: int = 4
-    model_mark: str = "X"
+    size: int = Field(default=5, ge=3, le=15)
+    win_length: int = Field(default=4, ge=3)
+    """At most ``size``."""
+    model_mark: Literal["X", "O", "random"] = "X"
     """"X" (moves first), "O", or "random" (drawn from the episode seed). Ignored in self-play."""
     illegal_penalty: float = -0.1
-    max_illegal: int = 3
-    opponent: str = "heuristic"
+    max_illegal: int = Field(default=3, ge=1)
+    opponent: Literal["heuristic", "random"] = "heuristic"
     """"heuristic" (win, block, else best-scoring cell) or "random"."""
-    opponent_noise: float = 0.0
+    opponent_noise: float = Field(default=0.0, ge=0.0, le=1.0)
     """Probability that the heuristic opponent plays a random legal move instead."""
-    move_timeout_s: float = 300.0
+    move_timeout_s: float = Field(default=300.0, gt=0)
     """Self-play: how long a player waits for the other before the game is abandoned."""
-    max_tokens: int = 16
+    max_tokens: int = Field(default=16, ge=1)
 
-    def __post_init__(self) -> None:
-        if not 3 <= self.size <= 15:
-            raise ValueError(f"size must be in [3, 15], got {self.size}")
-        if not 3 <= self.win_length <= self.size:
-            raise ValueError(f"win_length must be in [3, size], got {self.win_length}")
-        if self.model_mark not in ("X", "O", "random"):
-            raise ValueError(f"model_mark must be X, O or random, got {self.model_mark!r}")
-        if self.opponent not in ("heuristic", "random"):
-            raise ValueError(f"opponent must be heuristic or random, got {self.opponent!r}")
-        if self.max_illegal < 1:
-            raise ValueError(f"max_illegal must be >= 1, got {self.max_illegal}")
+    @field_validator("win_length")
+    @classmethod
+    def _fits_the_board(cls, value: int, info: ValidationInfo) -> int:
+        size = info.data.get("size")
+        if size is not None and value > size:
+            raise ValueError(f"must be at most size ({size}), got {value}")
+        return value
 
 
 def other(mark: str) -> str:

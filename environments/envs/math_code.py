@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from environments.grading import answers_match, extract_answer, last_boxed
 from environments.sandbox import SandboxLimits, run_code
-from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+from environments.types import (
+    STRICT_CONFIG,
+    Episode,
+    GroupBuilder,
+    Message,
+    StepResult,
+    StopCondition,
+)
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 INSTRUCTION = " Write code in a ```python block, then give the answer in \\boxed{}."
@@ -29,35 +40,45 @@ def extract_code(text: str) -> str | None:
     return open_block.group(1) if open_block else None
 
 
-@dataclass(frozen=True)
+# What a job's JSON may change of the sandbox budget, and the caps: never the isolation mode.
+LIMIT_CAPS: dict[str, tuple[type, int]] = {
+    "cpu_seconds": (int, 10),
+    "wall_seconds": (float, 30),
+    "memory_bytes": (int, 1024**3),
+}
+
+
+@pydantic_dataclass(frozen=True, config=STRICT_CONFIG)
 class MathCodeConfig:
-    max_turns: int = 4
+    max_turns: int = Field(default=4, ge=1)
     format_reward: float = 0.0
-    max_output_chars: int = 1000
+    max_output_chars: int = Field(default=1000, ge=1)
     """Tool output longer than this is cut before it goes back to the model."""
-    max_tokens: int = 256
+    max_tokens: int = Field(default=256, ge=1)
     limits: SandboxLimits = field(
         default_factory=lambda: SandboxLimits(
             cpu_seconds=2, wall_seconds=5.0, memory_bytes=256 * 1024**2
         )
     )
+    """From JSON: an object of ``cpu_seconds``, ``wall_seconds`` and ``memory_bytes``."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.limits, dict):
-            # From a job's JSON config: only the budget may change, within caps, never the
-            # isolation mode.
-            allowed = {"cpu_seconds": 10, "wall_seconds": 30, "memory_bytes": 1024**3}
-            unknown = sorted(set(self.limits) - set(allowed))
-            if unknown:
-                raise ValueError(f"limits.{unknown[0]} cannot be set; allowed: {sorted(allowed)}")
-            for key, cap in allowed.items():
-                if key in self.limits and not 0 < self.limits[key] <= cap:
-                    raise ValueError(f"limits.{key} must be in (0, {cap}], got {self.limits[key]}")
-            object.__setattr__(self, "limits", SandboxLimits(**self.limits))
-        if not isinstance(self.limits, SandboxLimits):
-            raise TypeError("limits must be a SandboxLimits or a dict")
-        if self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+    @field_validator("limits", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        unknown = sorted(set(value) - set(LIMIT_CAPS))
+        if unknown:
+            raise ValueError(f"limits.{unknown[0]} cannot be set; allowed: {sorted(LIMIT_CAPS)}")
+        for key, given in value.items():
+            kind, cap = LIMIT_CAPS[key]
+            number = (int, float) if kind is float else (int,)
+            if isinstance(given, bool) or not isinstance(given, number):
+                noun = "a number" if kind is float else "an integer"
+                raise ValueError(f"limits.{key} must be {noun}, got {given!r}")
+            if not 0 < given <= cap:
+                raise ValueError(f"limits.{key} must be in (0, {cap}], got {given}")
+        return SandboxLimits(**value)
 
 
 def format_output(stdout: str, stderr: str, reason: str, ok: bool, limit: int) -> str:

@@ -14,18 +14,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from environments.grading import answers_match, extract_answer, has_format
-from environments.types import Episode, GroupBuilder, Message, StepResult, StopCondition
+from environments.types import (
+    STRICT_CONFIG,
+    Episode,
+    GroupBuilder,
+    Message,
+    StepResult,
+    StopCondition,
+)
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=STRICT_CONFIG)
 class MathConfig:
     format_reward: float = 0.0
     """Added when the answer is inside \\boxed{} (0 disables the format reward)."""
     prompt_suffix: str = ""
     """Appended to the question, e.g. " Give the answer in \\boxed{}."."""
     system_prompt: str = ""
-    max_tokens: int = 128
+    max_tokens: int = Field(default=128, ge=1)
 
 
 class MathEpisode(Episode):

@@ -62,6 +62,27 @@ def test_it_reports_the_first_bad_rows(owner_client, data_dir):
 
 
 @pytest.mark.parametrize(
+    "line, field, reason",
+    [
+        (b'{"question": "x", "answer": NaN}', "answer", "NaN is not allowed"),
+        (b'{"question": "\\ud800", "answer": "1"}', "question", "surrogate characters"),
+        (
+            b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b', "answer": "1"}',
+            "row",
+            "nested too deeply",
+        ),
+    ],
+)
+def test_it_refuses_rows_it_cannot_store_faithfully(owner_client, data_dir, line, field, reason):
+    content = jsonl_bytes(MATH_ROWS[:1]) + line + b"\n"
+    response = upload(owner_client, content)
+    assert response.status_code == 400, response.content
+    [error] = response.json()["errors"]
+    assert (error["row"], error["field"]) == (2, field) and reason in error["reason"]
+    assert leftovers(data_dir) == [] and not Dataset.objects.exists()
+
+
+@pytest.mark.parametrize(
     "fields, filename, field",
     [
         ({"env": "bandit"}, "rows.jsonl", "env"),

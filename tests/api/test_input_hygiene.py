@@ -91,3 +91,36 @@ def test_it_takes_the_x_api_key_beside_a_proxys_basic_credentials(anon_client, o
         "/api/v1/me", HTTP_AUTHORIZATION=f"Basic {basic}", HTTP_X_API_KEY=owner_key[1]
     )
     assert response.status_code == 200
+
+
+def _cursor(query: str) -> str:
+    return base64.b64encode(query.encode()).decode()
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "cD0yMDI2",  # base64 of "p=2026": a position that is no timestamp
+        _cursor("p=2026-13-45 10:00:00+00:00"),
+        _cursor("p=2026-01-01 10:00:00"),  # no time zone: never one this API wrote
+        _cursor("p=9999-12-31 23:59:59-14:00"),
+        _cursor("o=1&r=1&p=" + "x" * 300),
+        "abc",  # not base64 at all
+    ],
+)
+def test_it_refuses_a_tampered_cursor_on_every_list(owner_client, cursor):
+    job = owner_client.post(JOBS, {"spec": {"method": "smoke"}}, format="json").json()
+    for url in (JOBS, KEYS, "/api/v1/datasets", f"{JOBS}/{job['id']}/events"):
+        response = owner_client.get(url, {"cursor": cursor})
+        assert response.status_code == 400, (url, response.content)
+        assert response.json() == {"cursor": ["invalid cursor"]}
+
+
+def test_it_follows_the_cursors_it_wrote(owner_client):
+    for _ in range(3):
+        owner_client.post(JOBS, {"spec": {"method": "smoke"}}, format="json")
+    first = owner_client.get(JOBS, {"limit": 2}).json()
+    second = owner_client.get(first["next"])
+    assert second.status_code == 200 and len(second.json()["results"]) == 1
+    back = owner_client.get(second.json()["previous"])
+    assert back.status_code == 200 and back.json()["results"] == first["results"]

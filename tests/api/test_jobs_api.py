@@ -44,6 +44,65 @@ def test_it_names_invalid_spec_fields(owner_client):
     assert not Job.objects.exists()
 
 
+MATH = {"method": "rl", "env": "math", "dataset": "builtin:arith_train", "steps": 1}
+
+
+@pytest.mark.parametrize(
+    "spec, field, reason",
+    [
+        (
+            {**MATH, "env_config": {"max_tokens": "x", "system_prompt": 5}},
+            "env_config.max_tokens",
+            "valid integer",
+        ),
+        ({**MATH, "env_config": {"format_reward": "lots"}}, "env_config.format_reward", "number"),
+        (
+            {**MATH, "env": "math_code", "env_config": {"format_reward": [1]}},
+            "env_config.format_reward",
+            "number",
+        ),
+        (
+            {"method": "rl", "env": "bandit", "env_config": {"n_arms": "x"}},
+            "env_config.n_arms",
+            "valid integer",
+        ),
+        (
+            {"method": "rl", "env": "gomoku", "env_config": {"win_length": 9}},
+            "env_config.win_length",
+            "at most size",
+        ),
+        (
+            {"method": "rl", "env": "geometry", "dataset": "builtin:geometry_train"}
+            | {"base_model": "tiny-vl", "env_config": {"max_tokens": -1}},
+            "env_config.max_tokens",
+            "greater than or equal to 1",
+        ),
+        (
+            {**MATH, "lora": {"target_modules": ["q_proj", "nope_proj"]}},
+            "lora.target_modules",
+            "no module named 'nope_proj'",
+        ),
+    ],
+)
+def test_it_refuses_bad_env_settings_and_lora_targets_at_submission(
+    owner_client, tiny_base_model, spec, field, reason
+):
+    response = submit(owner_client, spec=spec)
+    assert response.status_code == 400, response.json()
+    body = response.json()
+    assert body["detail"] == "invalid job spec"
+    named = {e["field"]: e["reason"] for e in body["errors"]}
+    assert field in named and reason in named[field], body
+    assert not Job.objects.exists()
+
+
+def test_it_accepts_lora_targets_the_base_model_has(owner_client, tiny_base_model):
+    for targets in (["q_proj", "v_proj"], ["self_attn.o_proj", "lm_head"]):
+        response = submit(owner_client, spec={**MATH, "lora": {"target_modules": targets}})
+        assert response.status_code == 201, response.json()
+        assert response.json()["spec"]["lora"]["target_modules"] == targets
+
+
 def test_it_answers_429_naming_the_queue_quota(owner_client, team):
     team.quota.max_queued_jobs = 1
     team.quota.save()

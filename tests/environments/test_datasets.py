@@ -174,3 +174,48 @@ def test_it_refuses_datasets_for_generator_envs(tmp_path: Path) -> None:
     path.write_text(json.dumps({"question": "q", "answer": 1}) + "\n")
     with pytest.raises(ContractError, match="generator environment"):
         inspect_file(path, "bandit")
+
+
+def test_it_refuses_rows_it_could_not_store_faithfully(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                '{"question": "x", "answer": NaN}',
+                '{"question": "\\ud800", "answer": "1"}',
+                '{"question": "x", "answer": "1", "context": [{"role": "user", "content": '
+                '"\\udfff"}]}',
+                '{"question": "x", "answer": -Infinity}',
+                '{"question": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "1"}',
+                '{"question": "x", "answer": 1' + "0" * 5000 + "}",
+                '{"\\ud800": 1, "question": "x", "answer": "1"}',
+                '{"question": "What is 1+1?", "answer": 2.5}',
+            ]
+        )
+        + "\n"
+    )
+    report = inspect_file(path, "math")
+    assert [(e.row, e.column, e.reason) for e in report.errors] == [
+        (1, "answer", "NaN is not allowed: numbers must be finite"),
+        (2, "question", "surrogate characters are not allowed (a lone \\ud800-\\udfff escape)"),
+        (3, "context", "surrogate characters are not allowed (a lone \\ud800-\\udfff escape)"),
+        (4, "answer", "-Infinity is not allowed: numbers must be finite"),
+        (5, None, "not valid JSON: nested too deeply"),
+        (6, None, "not valid JSON: a number has more than 4300 digits"),
+        (
+            7,
+            None,
+            "a column name: surrogate characters are not allowed (a lone \\ud800-\\udfff escape)",
+        ),
+    ]
+    assert report.rows == 8 and report.bad_rows == 7
+
+
+def test_it_refuses_non_finite_numbers_in_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"question": ["q1", "q2"], "answer": [1.0, float("inf")]}), path)
+    with pytest.raises(DatasetValidationError) as err:
+        load_rows(path, "math")
+    assert err.value.as_list() == [
+        {"row": 2, "column": "answer", "reason": "Infinity is not allowed: numbers must be finite"}
+    ]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 
@@ -62,10 +63,61 @@ def test_it_rejects_unknown_and_bad_config_keys() -> None:
     assert err.value.field == "env_config.arms"
     with pytest.raises(ContractError) as err:
         make_config("bandit", {"n_arms": 1})
-    assert err.value.field == "env_config" and "n_arms" in err.value.reason
+    assert (
+        err.value.field == "env_config.n_arms" and "greater than or equal to 2" in err.value.reason
+    )
     with pytest.raises(ContractError):
         make_config("math_code", {"limits": {"isolation": "rlimit"}})
     assert make_config("math_code", {"limits": {"cpu_seconds": 3}}).limits.cpu_seconds == 3
+
+
+@pytest.mark.parametrize(
+    "env, config, field, reason",
+    [
+        ("bandit", {"n_arms": "x"}, "env_config.n_arms", "valid integer"),
+        ("bandit", {"n_arms": 101}, "env_config.n_arms", "less than or equal to 100"),
+        ("bandit", {"max_tokens": True}, "env_config.max_tokens", "valid integer"),
+        ("math", {"max_tokens": "x"}, "env_config.max_tokens", "valid integer"),
+        ("math", {"system_prompt": 5}, "env_config.system_prompt", "valid string"),
+        ("math", {"format_reward": "lots"}, "env_config.format_reward", "valid number"),
+        ("math", {"max_tokens": 0}, "env_config.max_tokens", "greater than or equal to 1"),
+        ("math_code", {"format_reward": [1]}, "env_config.format_reward", "valid number"),
+        ("math_code", {"max_turns": 0}, "env_config.max_turns", "greater than or equal to 1"),
+        ("math_code", {"max_output_chars": "9"}, "env_config.max_output_chars", "integer"),
+        ("math_code", {"limits": {"cpu_seconds": "3"}}, "env_config.limits", "an integer"),
+        ("math_code", {"limits": {"wall_seconds": 60}}, "env_config.limits", "(0, 30]"),
+        ("math_code", {"limits": [1]}, "env_config.limits", "SandboxLimits"),
+        ("geometry", {"prompt_suffix": None}, "env_config.prompt_suffix", "valid string"),
+        ("geometry", {"format_reward": float("nan")}, "env_config.format_reward", "finite"),
+        ("gomoku", {"size": "7"}, "env_config.size", "valid integer"),
+        ("gomoku", {"win_length": 6}, "env_config.win_length", "at most size (5)"),
+        ("gomoku", {"model_mark": "Z"}, "env_config.model_mark", "'X', 'O' or 'random'"),
+        ("gomoku", {"opponent_noise": 1.5}, "env_config.opponent_noise", "less than or equal"),
+        ("gomoku_selfplay", {"move_timeout_s": 0}, "env_config.move_timeout_s", "greater than"),
+    ],
+)
+def test_it_checks_builtin_config_types_and_ranges(
+    env: str, config: dict[str, Any], field: str, reason: str
+) -> None:
+    with pytest.raises(ContractError) as err:
+        make_config(env, config)
+    assert err.value.field == field and reason in err.value.reason, err.value.as_dict()
+
+
+def test_it_names_every_bad_setting_of_a_config() -> None:
+    with pytest.raises(ContractError) as err:
+        make_config("math", {"max_tokens": "x", "system_prompt": 5})
+    assert {f for f, _ in err.value.problems()} == {
+        "env_config.max_tokens",
+        "env_config.system_prompt",
+    }
+
+
+def test_it_builds_builtin_configs_from_json_numbers() -> None:
+    # JSON has one number type: an integer where a float is expected is fine.
+    assert make_config("math", {"format_reward": 1}).format_reward == 1.0
+    gomoku = make_config("gomoku", {"size": 7, "win_length": 5, "model_mark": "random"})
+    assert (gomoku.size, gomoku.win_length, gomoku.model_mark) == (7, 5, "random")
 
 
 def test_it_makes_picklable_reproducible_builders() -> None:

@@ -333,6 +333,65 @@ def test_it_answers_429_when_the_teams_requests_are_all_in_flight(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_it_tells_a_rate_limited_client_the_real_wait(
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    owner_client: APIClient,
+    tiny_base_model: Any,
+    clean_control_plane: Any,
+    clean_tinker_keys: None,  # noqa: F811
+) -> None:
+    """A team over its requests per minute waits until the minute ends: Retry-After says so in
+    whole seconds (rounded up), as the message does, instead of a fixed 1 s."""
+    import time
+
+    from tinker_api import events
+
+    team.quota.openai_requests_per_minute = 1
+    team.quota.save()
+    job = submit(team, owner, name="rate-limited")
+    _finish_with_adapter(job)
+    _ok, _requests, _tokens, left = events.take_rate(team.pk, 1, 0)
+    if left < 5:  # the minute would end before the request: use up the next one instead
+        time.sleep(left + 0.1)
+        events.take_rate(team.pk, 1, 0)
+    api = owner_client.post(f"/api/v1/jobs/{job.pk}/sample", {"prompt": "1+1="}, format="json")
+    assert api.status_code == 429, api.content
+    said = re.search(r"retry in (\d+) s", api.json()["detail"])
+    assert said is not None, api.json()
+    # The message rounds the wait to the nearest second, the header up.
+    assert int(api["Retry-After"]) in (int(said.group(1)), int(said.group(1)) + 1)
+    assert int(api["Retry-After"]) > 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": "1+1=", "foo": 1}, "foo"),
+        ({"prompt": "1+1=", "max_token": 4}, "max_token"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages"),
+    ],
+)
+def test_it_refuses_sample_fields_it_does_not_know(
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    owner_client: APIClient,
+    body: dict[str, Any],
+    field: str,
+) -> None:
+    job = submit(team, owner, name="typo")
+    _finish_with_adapter(job)
+    api = owner_client.post(f"/api/v1/jobs/{job.pk}/sample", body, format="json")
+    assert api.status_code == 400, api.content
+    assert "unknown field" in json.dumps(api.json()[field])
+
+
+@pytest.mark.django_db(transaction=True)
 def test_it_answers_503_when_no_model_worker_answers(
     login: Callable[[Any], Client],
     submit: Callable[..., Any],

@@ -92,6 +92,17 @@ def test_it_lists_and_reclaims_expired_leases(lock_table: GpuLockTable) -> None:
     assert lock_table.snapshot()["nodes"]["n"]["free"] == [0, 2]
 
 
+def test_it_tells_job_leases_from_service_leases(lock_table: GpuLockTable) -> None:
+    lock_table.announce("n", [0, 1], ttl=30)
+    job = lock_table.allocate("0b6f3c1e-54a8-4a8e-9d3e-2f0c9a4d7e11", 1, ttl=0.1)
+    worker = lock_table.allocate("tinker:tiny:e88948c5", 1, ttl=0.1)
+    assert job is not None and worker is not None
+    time.sleep(0.2)
+    # The reaper reads the holders back from Redis: the kind must survive the round trip.
+    kinds = {le.job_id: le.is_job for le in lock_table.expired()}
+    assert kinds == {job.job_id: True, "tinker:tiny:e88948c5": False}
+
+
 def test_it_lets_a_renewal_beat_the_reaper(lock_table: GpuLockTable) -> None:
     lock_table.announce("n", [0], ttl=30)
     lease = lock_table.allocate("job", 1, ttl=0.1)

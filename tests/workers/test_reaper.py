@@ -90,3 +90,32 @@ def test_it_requeues_an_active_job_that_holds_no_lease(
     reap()
     job = Job.objects.get(pk=job_id)
     assert job.state == JobState.QUEUED and job.attempt == 2
+
+
+def test_it_reclaims_a_model_workers_lease_and_finishes_the_pass(
+    table: GpuLockTable, team: Any, owner: Any, caplog: Any
+) -> None:
+    job_id = place_on_ghost(table, team, owner)
+    # A Tinker model worker holds the ghost's other GPU under a holder that is not a job id.
+    worker = table.allocate("tinker:tiny:e88948c5", 1, ttl=0.05)
+    assert worker is not None and worker.node == "ghost" and not worker.is_job
+    expire_now(table, job_id)
+    table.announce("spare", [0], ttl=60)
+
+    with caplog.at_level("WARNING", logger="workers.control"):
+        result = reap()
+
+    assert sorted(result["reclaimed"]) == sorted([job_id, "tinker:tiny:e88948c5"])
+    assert result["requeued"] == [job_id]
+    # The model worker's lease came first in the pass (it expired first); the job behind it
+    # was still requeued and placed again on the live node.
+    job = Job.objects.get(pk=job_id)
+    assert job.state == JobState.STARTING and job.attempt == 2 and job.gpus_held == ["spare:0"]
+    assert list(job.gpu_leases.values_list("attempt", "outcome").order_by("attempt")) == [
+        (1, "reaped"),
+        (2, "held"),
+    ]
+    assert table.lease_of("tinker:tiny:e88948c5") is None
+    assert table.snapshot()["nodes"]["ghost"]["held"] == {}
+    assert "tinker:tiny:e88948c5" in caplog.text and "stopped heartbeating" in caplog.text
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.exc_info]

@@ -93,7 +93,7 @@ def sample_job(
     try:
         rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
     except serving.Busy as exc:
-        raise sampling.SamplerBusy(str(exc)) from exc
+        raise sampling.SamplerBusy(str(exc), retry_after=exc.retry_after) from exc
     field = "messages" if messages is not None else "prompt"
     texts = [""] * n
     ended: dict[int, dict[str, Any]] = {}
