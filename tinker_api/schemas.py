@@ -27,6 +27,30 @@ class ResponseModel(BaseModel):
 
 # --------------------------------------------------------------------------- shared pieces
 
+# Integer ids of the protocol (seq_id, model_seq_id, sampling_session_seq_id) end up in Redis
+# keys, stream fields and database columns that hold a signed 64-bit integer; the SDK's
+# largest (a cloned sampler's seq_ids, below 10**18) fit.
+MAX_ID = 2**63 - 1
+Id = Annotated[int, Field(ge=0, le=MAX_ID)]
+# Seeds reach torch's generators and a BigIntegerField: signed 64-bit as well.
+Seed = Annotated[int, Field(ge=-(2**63), le=MAX_ID)]
+# A TTL past this is "never"; a larger one overflows the datetime it is added to.
+MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
+TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_SECONDS)]
+
+# What one request may ask a model worker to hold. Every sample of every queued request runs
+# in one generation batch of the shared worker, so one request must not be able to exhaust
+# it: the caps sit well above what the SDK and the cookbook send (RL groups of at most 32,
+# top-k of 20, the SDK's forward/backward chunks of at most 1024 datums and 5 MB) and far
+# below what takes a worker down. PROTOCOL.md lists them.
+MAX_NUM_SAMPLES = 128
+# Above every real vocabulary (the largest are 256k); the base model's own vocabulary
+# bounds top-k again at submission.
+MAX_TOPK_LOGPROBS = 1 << 18
+MAX_PROMPT_ALT_TOKENS_K = 1024
+MAX_CHUNKS = 4096
+MAX_DATUMS = 4096
+
 TensorDtype = Literal["float32", "int64"]
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
 ErrorCategory = Literal["unknown", "server", "user"]
@@ -92,7 +116,7 @@ ChunkJson = Annotated[
 class ModelInputJson(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    chunks: list[ChunkJson]
+    chunks: list[ChunkJson] = Field(max_length=MAX_CHUNKS)
 
 
 class DatumJson(RequestModel):
@@ -101,7 +125,7 @@ class DatumJson(RequestModel):
 
 
 class ForwardBackwardInputJson(RequestModel):
-    data: list[DatumJson]
+    data: list[DatumJson] = Field(max_length=MAX_DATUMS)
     loss_fn: str
     loss_fn_config: dict[str, float | str] | None = None
 
@@ -112,7 +136,7 @@ class ForwardBackwardRequestJson(RequestModel):
 
     forward_backward_input: ForwardBackwardInputJson
     model_id: str
-    seq_id: int | None = None
+    seq_id: Id | None = None
     forward_only: bool = False
 
 
@@ -148,7 +172,7 @@ class SessionFinishRequest(RequestModel):
 
 class LoraConfig(RequestModel):
     rank: int = Field(ge=1)
-    seed: int | None = None
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -164,7 +188,7 @@ class OptimizerConfig(BaseModel):
 
 class CreateModelRequest(RequestModel):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: Id
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
@@ -176,6 +200,9 @@ class GetInfoRequest(RequestModel):
 
 
 class AdamParams(RequestModel):
+    # A NaN or infinite hyperparameter would turn every weight into NaN at the step.
+    model_config = ConfigDict(allow_inf_nan=False)
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -189,7 +216,7 @@ class OptimStepRequest(RequestModel):
     any other family; exactly one is present."""
 
     model_id: str
-    seq_id: int | None = None
+    seq_id: Id | None = None
     adam_params: AdamParams | None = None
     optimizer_params: dict[str, Any] | None = None
 
@@ -203,8 +230,8 @@ class OptimStepRequest(RequestModel):
 class SaveWeightsRequest(RequestModel):
     model_id: str
     path: str | None = None
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Id | None = None
+    ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
 
@@ -212,8 +239,8 @@ class SaveWeightsRequest(RequestModel):
 class SaveWeightsExternalRequest(RequestModel):
     model_id: str
     path: str
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Id | None = None
+    ttl_seconds: TtlSeconds | None = None
     # age (X25519) public keys: every exported file is encrypted to all of them.
     age_encryption_recipients: list[str] | None = None
 
@@ -224,10 +251,10 @@ class SaveWeightsForSamplerRequest(RequestModel):
 
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: Id | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Id | None = None
+    ttl_seconds: TtlSeconds | None = None
     user_metadata: dict[str, str] | None = None
 
     @model_validator(mode="after")
@@ -243,9 +270,9 @@ class LoadWeightsRequest(RequestModel):
     from the checkpoint; its id is ``"{session_id}:train:{model_seq_id}"``)."""
 
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Id | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Id | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -270,7 +297,7 @@ class LoadWeightsRequest(RequestModel):
 
 class CreateSamplingSessionRequest(RequestModel):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: Id
     base_model: str | None = None
     model_path: str | None = None
 
@@ -283,11 +310,12 @@ class CreateSamplingSessionRequest(RequestModel):
 
 class SamplingParams(RequestModel):
     max_tokens: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: Seed | None = None
     # None keeps EOS stopping; [] disables every stop, EOS included.
     stop: str | list[str] | list[int] | None = None
     temperature: float = Field(1.0, ge=0)
-    top_k: int = -1
+    # -1 (or 0) keeps every token; a k past the vocabulary keeps every token too.
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
     top_p: float = Field(1.0, gt=0, le=1)
 
 
@@ -297,18 +325,18 @@ class SampleRequest(RequestModel):
     to score per prompt position; ``prompt_alt_tokens_k`` asks for draws per prompt position.
     The SDK checks that what it asked for came back, so nothing here may be dropped."""
 
-    num_samples: int = Field(1, ge=1)
+    num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
     prompt: ModelInputJson
     sampling_params: SamplingParams
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Id | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = Field(0, ge=0)
-    topk_sample_logprobs: int = Field(0, ge=0)
+    topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
     target_prompt_logprobs: TensorDataJson | None = None
-    prompt_alt_tokens_k: int = Field(0, ge=0)
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_PROMPT_ALT_TOKENS_K)
     prompt_logprobs_last_n: int | None = Field(None, ge=1)
     record_stability_info: bool | None = None
 
@@ -329,7 +357,7 @@ class WeightsInfoRequest(RequestModel):
 
 
 class CheckpointTtlRequest(RequestModel):
-    ttl_seconds: int | None = None
+    ttl_seconds: TtlSeconds | None = None
 
 
 # --------------------------------------------------------------------------- responses

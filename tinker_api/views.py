@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import Any, TypeVar
 
 from django.http import FileResponse, HttpRequest, HttpResponse
 from django.urls import reverse
@@ -50,6 +50,21 @@ def _body(request: HttpRequest) -> bytes:
         raise wire.WireError(f"body over {MAX_BODY_BYTES} bytes", status=413)
     # read(), not .body: DATA_UPLOAD_MAX_MEMORY_SIZE is for forms, not training batches.
     return request.read(MAX_BODY_BYTES + 1)
+
+
+ModelT = TypeVar("ModelT", bound=s.RequestModel)
+
+
+def _ordered_body(request: HttpRequest, caller: Caller, model: type[ModelT]) -> ModelT:
+    """The body of a request that carries a model's seq_id. One that fails validation has
+    spent its seq_id on the client all the same: recorded as refused, so the model's next
+    request does not wait for it."""
+    body = _body(request)
+    try:
+        return wire.parse_json(model, body)
+    except wire.WireError as exc:
+        services.refuse_unparsed(caller, wire.json_position(body), exc)
+        raise
 
 
 def endpoint(*methods: str, auth: bool = True) -> Callable[..., Any]:
@@ -181,31 +196,31 @@ def forward(request: HttpRequest, caller: Caller) -> HttpResponse:
 
 @endpoint("POST")
 def optim_step(request: HttpRequest, caller: Caller) -> HttpResponse:
-    req = wire.parse_json(s.OptimStepRequest, _body(request))
+    req = _ordered_body(request, caller, s.OptimStepRequest)
     return _future(services.optim_step(caller, req))
 
 
 @endpoint("POST")
 def save_weights(request: HttpRequest, caller: Caller) -> HttpResponse:
-    req = wire.parse_json(s.SaveWeightsRequest, _body(request))
+    req = _ordered_body(request, caller, s.SaveWeightsRequest)
     return _future(services.save_weights(caller, req))
 
 
 @endpoint("POST")
 def save_weights_for_sampler(request: HttpRequest, caller: Caller) -> HttpResponse:
-    req = wire.parse_json(s.SaveWeightsForSamplerRequest, _body(request))
+    req = _ordered_body(request, caller, s.SaveWeightsForSamplerRequest)
     return _future(services.save_weights_for_sampler(caller, req))
 
 
 @endpoint("POST")
 def save_weights_external(request: HttpRequest, caller: Caller) -> HttpResponse:
-    req = wire.parse_json(s.SaveWeightsExternalRequest, _body(request))
+    req = _ordered_body(request, caller, s.SaveWeightsExternalRequest)
     return _future(services.save_weights_external(caller, req))
 
 
 @endpoint("POST")
 def load_weights(request: HttpRequest, caller: Caller) -> HttpResponse:
-    req = wire.parse_json(s.LoadWeightsRequest, _body(request))
+    req = _ordered_body(request, caller, s.LoadWeightsRequest)
     request_id, model_id = services.load_weights(caller, req)
     return _future(request_id, model_id=model_id)
 
@@ -264,13 +279,20 @@ def cancel_future(request: HttpRequest, caller: Caller) -> HttpResponse:
 # --------------------------------------------------------------------------- runs and checkpoints
 
 
+# Far past any list, and offset + limit still fits the databases' signed 64-bit OFFSET.
+MAX_OFFSET = 2**62
+
+
 def _page(request: HttpRequest) -> tuple[int, int]:
-    try:
-        limit = max(1, min(int(request.GET.get("limit", 20)), 1000))
-        offset = max(0, int(request.GET.get("offset", 0)))
-    except ValueError:
-        raise wire.WireError("limit and offset must be integers") from None
-    return limit, offset
+    values = {}
+    for name, default in (("limit", 20), ("offset", 0)):
+        try:
+            values[name] = int(request.GET.get(name, default))
+        except ValueError:
+            raise wire.WireError(f"{name} must be an integer") from None
+    if not 0 <= values["offset"] <= MAX_OFFSET:
+        raise wire.WireError(f"offset must be an integer between 0 and {MAX_OFFSET}")
+    return max(1, min(values["limit"], 1000)), values["offset"]
 
 
 @endpoint("GET")

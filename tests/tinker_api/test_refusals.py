@@ -171,6 +171,14 @@ def test_it_runs_the_next_request_after_every_refusal_at_submission(
                 tinker.NotFoundError,
                 "unknown checkpoint",
             ),
+            # The SDK sends a NaN as null: the body fails validation before its model is
+            # looked up, and its seq_id is spent all the same.
+            (
+                "NaN learning rate",
+                lambda: training.optim_step(types.AdamParams(learning_rate=float("nan"))),
+                tinker.BadRequestError,
+                "adam_params.learning_rate",
+            ),
         ]
         for what, call, error, detail in refusals:
             with pytest.raises(error) as caught:
@@ -260,6 +268,78 @@ def test_it_fails_requests_waiting_on_a_seq_id_that_never_arrives(
         server, key, "optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": adam}
     )
     assert "metrics" in _result(server, key, after["request_id"], timeout=GAP_SECONDS)
+
+
+def test_it_runs_the_next_request_after_a_body_that_fails_validation(
+    server: str, owner_key: tuple[Any, str]
+) -> None:
+    import httpx
+
+    from tinker_api import _proto
+
+    key = owner_key[1]
+    session_id = _post(server, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
+    created = _post(
+        server,
+        key,
+        "create_model",
+        {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": BASE_NAME,
+            "lora_config": {"rank": 4},
+        },
+    )
+    model_id = created["model_id"]
+    _result(server, key, created["request_id"])
+    corrupt = _proto.ForwardBackwardRequest(model_id=model_id, seq_id=9, loss_fn="cross_entropy")
+    datum = corrupt.data.add()
+    datum.model_input.add().encoded_text.tokens = b"\1\0\0"
+    invalid: list[tuple[str, dict[str, Any] | bytes, str]] = [
+        (
+            "optim_step",
+            {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": "fast"}},
+            "adam_params.learning_rate",
+        ),
+        (
+            "save_weights",
+            {"model_id": model_id, "seq_id": 3, "path": "x", "ttl_seconds": -1},
+            "ttl_seconds",
+        ),
+        ("save_weights_for_sampler", {"model_id": model_id, "seq_id": 5}, "exactly one"),
+        (
+            "forward_backward",
+            {"model_id": model_id, "seq_id": 7, "forward_backward_input": {"data": []}},
+            "loss_fn",
+        ),
+        ("forward_backward", corrupt.SerializeToString(), "whole number"),
+    ]
+    adam = {"learning_rate": 0.01}
+    for path, body, detail in invalid:
+        if isinstance(body, bytes):
+            res = httpx.post(
+                server + "api/v1/" + path,
+                content=body,
+                headers={"X-API-Key": "tml-" + key, "Content-Type": "application/x-protobuf"},
+                timeout=30,
+            )
+            seq = 9
+        else:
+            res = httpx.post(
+                server + "api/v1/" + path, json=body, headers={"X-API-Key": "tml-" + key}
+            )
+            seq = int(body["seq_id"])
+        assert res.status_code == 400 and detail in res.json()["detail"], (path, res.text)
+        # The next seq_id runs at once instead of waiting out the gap for the refused one.
+        step = _post(
+            server,
+            key,
+            "optim_step",
+            {"model_id": model_id, "seq_id": seq + 1, "adam_params": adam},
+        )
+        started = time.monotonic()
+        assert "metrics" in _result(server, key, step["request_id"], timeout=GAP_SECONDS * 2)
+        assert time.monotonic() - started < GAP_SECONDS, f"{path}: waited out the gap"
 
 
 def test_it_lists_sessions_and_publishes_checkpoints(

@@ -132,8 +132,10 @@ def test_it_bounds_what_one_sample_may_ask_for() -> None:
     wide = sent_sample_request(prompt=prompt, topk_prompt_logprobs=wire.MAX_SCORE_CELLS // 50)
     with pytest.raises(wire.WireError, match="topk_prompt_logprobs: len\\(prompt\\) x"):
         wire.sample_prompt(wide)
-    draws = sent_sample_request(prompt=prompt, prompt_alt_tokens_k=wire.MAX_SCORE_CELLS // 50)
-    with pytest.raises(wire.WireError, match="prompt_alt_tokens_k"):
+    # The schema caps k itself; a long enough prompt still crosses the cell bound under it.
+    long_prompt = types.ModelInput.from_ints([1] * (wire.MAX_SCORE_CELLS // 1024 + 1))
+    draws = sent_sample_request(prompt=long_prompt, prompt_alt_tokens_k=s.MAX_PROMPT_ALT_TOKENS_K)
+    with pytest.raises(wire.WireError, match="prompt_alt_tokens_k: len\\(prompt\\) x"):
         wire.sample_prompt(draws)
     sampled = sent_sample_request(prompt=prompt, num_samples=4, topk_sample_logprobs=1 << 16)
     wire.sample_prompt(sampled)

@@ -398,3 +398,73 @@ def test_it_refuses_sampling_requests_it_cannot_serve() -> None:
         s.CreateSamplingSessionRequest.model_validate(
             {"session_id": "x", "sampling_session_seq_id": 0}
         )
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "good"),
+    [
+        ("num_samples", s.MAX_NUM_SAMPLES + 1, s.MAX_NUM_SAMPLES),
+        ("num_samples", 10**6, 64),
+        ("topk_prompt_logprobs", s.MAX_TOPK_LOGPROBS + 1, 20),
+        ("topk_sample_logprobs", 10**6, 20),
+        ("prompt_alt_tokens_k", s.MAX_PROMPT_ALT_TOKENS_K + 1, 8),
+        ("seq_id", -1, 0),
+        ("seq_id", 2**63, 2**63 - 1),
+        ("seq_id", 10**30, 10**18),
+    ],
+)
+def test_it_bounds_what_one_sample_request_may_ask_for(field: str, bad: int, good: int) -> None:
+    base = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+        "sampling_params": {},
+    }
+    assert getattr(s.SampleRequest.model_validate(base | {field: good}), field) == good
+    with pytest.raises(wire.WireError, match=f"^invalid SampleRequest: {field}: ") as err:
+        wire.parse_json(s.SampleRequest, json.dumps(base | {field: bad}).encode())
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "field"),
+    [
+        (s.CreateModelRequest, {"model_seq_id": 2**63}, "model_seq_id"),
+        (s.CreateModelRequest, {"model_seq_id": 10**30}, "model_seq_id"),
+        (s.CreateModelRequest, {"lora_config": {"rank": 4, "seed": 2**64}}, "lora_config.seed"),
+        (s.OptimStepRequest, {"seq_id": 2**63}, "seq_id"),
+        (s.OptimStepRequest, {"adam_params": {"learning_rate": "NaN"}}, "adam_params"),
+        (s.SaveWeightsRequest, {"ttl_seconds": 10**30}, "ttl_seconds"),
+        (s.SaveWeightsForSamplerRequest, {"sampling_session_seq_id": -1}, "sampling_session"),
+        (s.LoadWeightsRequest, {"model_seq_id": 2**63}, "model_seq_id"),
+        (s.CreateSamplingSessionRequest, {"sampling_session_seq_id": 2**63}, "sampling_session"),
+        (s.CheckpointTtlRequest, {"ttl_seconds": -5}, "ttl_seconds"),
+    ],
+)
+def test_it_refuses_ids_and_counts_past_64_bits(
+    model: type[BaseModel], body: dict[str, Any], field: str
+) -> None:
+    valid: dict[type[BaseModel], dict[str, Any]] = {
+        s.CreateModelRequest: {"session_id": "s", "model_seq_id": 2**63 - 1, "base_model": "b"},
+        s.OptimStepRequest: {"model_id": "m", "seq_id": 1, "adam_params": {}},
+        s.SaveWeightsRequest: {"model_id": "m", "seq_id": 1, "ttl_seconds": 3600},
+        s.SaveWeightsForSamplerRequest: {
+            "model_id": "m",
+            "seq_id": 1,
+            "sampling_session_seq_id": 0,
+        },
+        s.LoadWeightsRequest: {
+            "session_id": "s",
+            "model_seq_id": 0,
+            "path": "p",
+            "optimizer": True,
+        },
+        s.CreateSamplingSessionRequest: {
+            "session_id": "s",
+            "sampling_session_seq_id": 0,
+            "base_model": "b",
+        },
+        s.CheckpointTtlRequest: {"ttl_seconds": 60},
+    }
+    model.model_validate(valid[model])
+    with pytest.raises(wire.WireError, match=f": {field}") as err:
+        wire.parse_json(model, json.dumps(valid[model] | body).encode())
+    assert err.value.status == 400

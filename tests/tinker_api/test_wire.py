@@ -27,6 +27,7 @@ from tinker.types._pydantic_types.forward_backward_input import (
 from tests.tinker_api._sdk import SdkWire
 from tinker_api import _proto, wire
 from tinker_api import schemas as s
+from tinker_api.wire.forward_backward import MAX_REQUEST_SPARSE_ELEMENTS, MAX_REQUEST_TOKENS
 
 torch.set_num_threads(1)
 
@@ -467,3 +468,79 @@ def test_it_refuses_malformed_bodies_with_the_right_status() -> None:
     ).SerializeToString()
     with pytest.raises(wire.WireError, match="seq_id must be 1 or more"):
         wire.decode_forward_backward(zero_seq, content_type=wire.PROTOBUF)
+
+
+def _proto_request(data: list[types.Datum]) -> bytes:
+    return request_conv.forward_backward_request_to_proto(
+        types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+            model_id="m",
+            seq_id=4,
+        )
+    ).SerializeToString()
+
+
+def test_it_bounds_what_one_forward_backward_request_makes_the_server_build() -> None:
+    datum = _one_datum(target_tokens=[2, 3, 4])[0]
+    too_many = _proto_request([datum] * (s.MAX_DATUMS + 1))
+    with pytest.raises(wire.WireError, match=f"{s.MAX_DATUMS + 1} datums, over the limit") as err:
+        wire.decode_forward_backward(too_many, content_type=wire.PROTOBUF)
+    assert err.value.status == 400
+    as_json = {
+        "model_id": "m",
+        "seq_id": 4,
+        "forward_backward_input": {
+            "loss_fn": "cross_entropy",
+            "data": [{"model_input": {"chunks": []}}] * (s.MAX_DATUMS + 1),
+        },
+    }
+    with pytest.raises(wire.WireError, match=r"forward_backward_input\.data: List should have at"):
+        wire.decode_forward_backward(json.dumps(as_json).encode(), content_type=wire.JSON)
+
+    chunks = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1])] * (s.MAX_CHUNKS + 1))
+    many_chunks = types.Datum(model_input=chunks, loss_fn_inputs={})
+    with pytest.raises(wire.WireError, match=r"data\[0\].model_input: 4097 chunks"):
+        wire.decode_forward_backward(_proto_request([many_chunks]), content_type=wire.PROTOBUF)
+
+    n = MAX_REQUEST_TOKENS // 2 + 1
+    long = types.Datum(model_input=types.ModelInput.from_ints([1] * n), loss_fn_inputs={})
+    with pytest.raises(wire.WireError, match=f"{2 * n} model input tokens, over the limit"):
+        wire.decode_forward_backward(_proto_request([long, long]), content_type=wire.PROTOBUF)
+
+    # Each sparse input is within its own bound; together they would expand past it.
+    width = MAX_REQUEST_SPARSE_ELEMENTS // 3 // 4 + 1
+    wide = types.TensorData(
+        data=[1.0],
+        dtype="float32",
+        shape=[3, width],
+        sparse_crow_indices=[0, 1, 1, 1],
+        sparse_col_indices=[0],
+    )
+    sparse = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"weights": wide}
+    )
+    with pytest.raises(
+        wire.WireError, match=r"data\[3\].loss_fn_inputs\['weights'\]: the sparse"
+    ) as err:
+        wire.decode_forward_backward(_proto_request([sparse] * 4), content_type=wire.PROTOBUF)
+    assert err.value.status == 413
+
+
+def test_it_reads_the_model_and_seq_id_of_a_body_it_refuses() -> None:
+    corrupt = _corrupted(lambda d: setattr(d.loss_fn_inputs["target_tokens"], "dtype", 0))
+    assert wire.forward_backward_position(corrupt, wire.PROTOBUF) == ("m", 1)
+    assert wire.forward_backward_position(b"\xff\xff\xff\x07garbage", wire.PROTOBUF) is None
+    body = b'{"model_id": "m", "seq_id": 7, "adam_params": {"learning_rate": "fast"}}'
+    assert wire.json_position(body) == ("m", 7)
+    assert wire.forward_backward_position(body, "application/json; charset=utf-8") == ("m", 7)
+    for unreadable in (
+        b'{"model_id": "m", "seq_id": "7"}',
+        b'{"model_id": "m", "seq_id": true}',
+        b'{"model_id": 5, "seq_id": 7}',
+        b'{"seq_id": 7}',
+        b"[1, 2]",
+        b"{" * 100_000,
+        b"[" * 100_000 + b"]" * 100_000,
+        b"\xff",
+    ):
+        assert wire.json_position(unreadable) is None, unreadable

@@ -28,6 +28,7 @@ from tinker_api.services.lookups import (
     get_sampling_session,
 )
 from tinker_api.services.polling import PollAnswer, retrieve
+from tinker_api.services.queue import refuse_unparsed
 from tinker_api.services.sampling import create_sampling_session, sample
 from tinker_api.services.sessions import (
     create_session,
@@ -66,6 +67,7 @@ __all__ = [
     "list_sessions",
     "load_weights",
     "optim_step",
+    "refuse_unparsed",
     "retrieve",
     "sample",
     "save_weights",

@@ -67,7 +67,7 @@ def refuse(caller: Caller, model: TrainingModel, seq: int | None, error: wire.Wi
     the model worker to step past it: the SDK has spent that seq_id, and the model's next
     request would otherwise wait for it forever. A seq_id already submitted keeps its
     earlier request (a resubmission refused now does not undo it)."""
-    if seq is None or seq < 1:
+    if seq is None or not 1 <= seq <= s.MAX_ID:
         return
     request_id = futures.new_request_id()
     answer = futures.submit(
@@ -79,6 +79,19 @@ def refuse(caller: Caller, model: TrainingModel, seq: int | None, error: wire.Wi
     )
     if answer == request_id:
         futures.fail(request_id, json.dumps(error.body()), "user")
+
+
+def refuse_unparsed(
+    caller: Caller, position: tuple[str, int] | None, error: wire.WireError
+) -> None:
+    """``refuse`` for a body that failed validation before its model was looked up, when
+    it names (``position``) a model of the caller's and a seq_id."""
+    if position is None:
+        return
+    model_id, seq = position
+    model = TrainingModel.objects.for_team(caller.team_id).filter(pk=model_id).first()
+    if model is not None:
+        refuse(caller, model, seq, error)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from tinker_api.services.lookups import (
     live_session,
 )
 from tinker_api.services.queue import ensure_worker
+from tinker_api.services.training import vocab_size
 from workers import conf
 
 DEFAULT_MAX_TOKENS = 256
@@ -114,12 +115,25 @@ def _request_sampling_session(caller: Caller, req: s.SampleRequest) -> SamplingS
     )
 
 
+def _check_topk_vocabulary(req: s.SampleRequest, vocab: int | None) -> None:
+    """A top-k wider than the vocabulary asks for tokens that do not exist."""
+    if vocab is None:
+        return
+    for name, k in (
+        ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+        ("topk_sample_logprobs", req.topk_sample_logprobs),
+    ):
+        if k > vocab:
+            raise wire.WireError(f"{name}: {k} is over the base model's vocabulary of {vocab}")
+
+
 def sample(
     caller: Caller, req: s.SampleRequest, *, backpressure: bool
 ) -> tuple[str | None, list[str]]:
     """(request_id, sample_sequence_ids); request_id None means "queue full, retry"."""
     session = _request_sampling_session(caller, req)
     base = base_model(session.base_model)
+    _check_topk_vocabulary(req, vocab_size(base.resolved_path()))
     count, image_token = images.counter_for(base.resolved_path())
     prompt, pictures = wire.sample_prompt(
         req, None if count is None else functools.partial(count, where="prompt"), image_token

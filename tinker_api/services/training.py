@@ -23,7 +23,7 @@ from tinker_api.services.lookups import (
     get_model,
     live_session,
 )
-from tinker_api.services.queue import ordered, submit
+from tinker_api.services.queue import ordered, refuse_unparsed, submit
 from workers import conf
 
 
@@ -134,9 +134,13 @@ def forward_backward(
     forward_only: bool,
 ) -> str:
     raw = wire.decompress(body, content_encoding)
-    batch = wire.decode_forward_backward(
-        raw, content_type=content_type, forward_only=forward_only, check=False
-    )
+    try:
+        batch = wire.decode_forward_backward(
+            raw, content_type=content_type, forward_only=forward_only, check=False
+        )
+    except wire.WireError as exc:
+        refuse_unparsed(caller, wire.forward_backward_position(raw, content_type), exc)
+        raise
     model = get_model(caller, batch.model_id)
     with ordered(caller, model, batch.seq_id):
         base = base_model(model.base_model)

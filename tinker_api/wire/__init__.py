@@ -17,10 +17,19 @@ from tinker_api.wire.forward_backward import (
     decode_forward_backward,
     encode_forward_backward_output,
     expand_images,
+    forward_backward_position,
     geometry_count,
 )
 from tinker_api.wire.images import ImageGeometry, WireImage, counter
-from tinker_api.wire.media import JSON, PROTOBUF, WireError, decompress, parse_json, wants_protobuf
+from tinker_api.wire.media import (
+    JSON,
+    PROTOBUF,
+    WireError,
+    decompress,
+    json_position,
+    parse_json,
+    wants_protobuf,
+)
 from tinker_api.wire.paths import model_id_for, parse_tinker_path, tinker_path
 from tinker_api.wire.replies import (
     Reply,
@@ -65,8 +74,10 @@ __all__ = [
     "encode_sample_response",
     "expand_images",
     "expired",
+    "forward_backward_position",
     "future_created",
     "geometry_count",
+    "json_position",
     "model_id_for",
     "model_input_tokens",
     "parse_json",

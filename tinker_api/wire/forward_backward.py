@@ -8,7 +8,8 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,10 +27,12 @@ from tinker_api.wire.media import (
     EncodedBody,
     WireError,
     decompress,
+    json_position,
     media_type,
     parse_json,
 )
 from tinker_api.wire.tensors import (
+    MAX_DENSE_ELEMENTS,
     as_numpy,
     model_input_parts,
     non_text_chunk,
@@ -62,6 +65,12 @@ REQUIRED_INPUTS: dict[str, frozenset[str]] = {
     "custom": frozenset(),
 }
 LOSS_FNS = frozenset(REQUIRED_INPUTS)
+# Text tokens of all datums of one request. The SDK's chunks hold at most 5 MB of tokens and
+# loss inputs (16 bytes a position at least: about 312k positions), or one datum past that.
+MAX_REQUEST_TOKENS = 1 << 20
+# Cells that the sparse loss inputs of one request expand to: a few bytes of CSR can name a
+# huge shape, and each tensor's own bound (``MAX_DENSE_ELEMENTS``) would add up over datums.
+MAX_REQUEST_SPARSE_ELEMENTS = MAX_DENSE_ELEMENTS
 # The SDK folds chunked results with these reductions, read from the text after ":".
 METRIC_REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash2", "unique"})
 
@@ -149,6 +158,19 @@ def decode_forward_backward(
     return batch
 
 
+def forward_backward_position(raw: bytes, content_type: str | None) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` of a decompressed body that failed to decode, when both can be
+    read (``decode_forward_backward`` refuses most bodies after parsing the envelope)."""
+    if media_type(content_type) != PROTOBUF:
+        return json_position(raw)
+    msg = _proto.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError:
+        return None
+    return (msg.model_id, msg.seq_id) if msg.model_id else None
+
+
 def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
     msg = _proto.ForwardBackwardRequest()
     try:
@@ -163,6 +185,17 @@ def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
             config[key] = value.text
         elif which == "number":
             config[key] = value.number
+    _check_sizes(
+        len(msg.data),
+        (len(datum.model_input) for datum in msg.data),
+        sum(len(c.encoded_text.tokens) // 4 for datum in msg.data for c in datum.model_input),
+        (
+            (f"data[{i}].loss_fn_inputs[{name!r}]", list(t.shape))
+            for i, datum in enumerate(msg.data)
+            for name, t in datum.loss_fn_inputs.items()
+            if t.WhichOneof("encoding") == "sparse_csr"
+        ),
+    )
     data = []
     for i, datum in enumerate(msg.data):
         tokens: list[int] = []
@@ -213,6 +246,22 @@ def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
 def _decode_json_forward_backward(raw: bytes) -> ForwardBackwardBatch:
     req = parse_json(s.ForwardBackwardRequestJson, raw)
     fbi = req.forward_backward_input
+    _check_sizes(
+        len(fbi.data),
+        (len(datum.model_input.chunks) for datum in fbi.data),
+        sum(
+            len(c.tokens)
+            for datum in fbi.data
+            for c in datum.model_input.chunks
+            if isinstance(c, s.EncodedTextChunkJson)
+        ),
+        (
+            (f"data[{i}].loss_fn_inputs[{name!r}]", list(td.shape or []))
+            for i, datum in enumerate(fbi.data)
+            for name, td in datum.loss_fn_inputs.items()
+            if td.sparse_crow_indices is not None or td.sparse_col_indices is not None
+        ),
+    )
     data = []
     for i, datum in enumerate(fbi.data):
         tokens, pictures = model_input_parts(datum.model_input, where=f"data[{i}]")
@@ -235,6 +284,42 @@ def _decode_json_forward_backward(raw: bytes) -> ForwardBackwardBatch:
         forward_only=req.forward_only,
         data=data,
     )
+
+
+def _check_sizes(
+    datums: int,
+    chunks: Iterable[int],
+    tokens: int,
+    sparse_shapes: Iterable[tuple[str, list[int]]],
+) -> None:
+    """Bound what a request makes the server build before building any of it."""
+    if datums > s.MAX_DATUMS:
+        raise WireError(
+            f"data: {datums} datums, over the limit of {s.MAX_DATUMS} per request; split the "
+            "batch (the SDK sends chunks of at most 1024)"
+        )
+    for i, count in enumerate(chunks):
+        if count > s.MAX_CHUNKS:
+            raise WireError(
+                f"data[{i}].model_input: {count} chunks, over the limit of {s.MAX_CHUNKS}"
+            )
+    if tokens > MAX_REQUEST_TOKENS:
+        raise WireError(
+            f"data: {tokens} model input tokens, over the limit of {MAX_REQUEST_TOKENS} per "
+            "request; split the batch"
+        )
+    cells = 0
+    for where, shape in sparse_shapes:
+        size = math.prod(max(d, 0) for d in shape)
+        if size > MAX_DENSE_ELEMENTS:
+            continue  # refused on its own, with its shape, when it is decoded
+        cells += size
+        if cells > MAX_REQUEST_SPARSE_ELEMENTS:
+            raise WireError(
+                f"{where}: the sparse loss_fn_inputs of this request expand past "
+                f"{MAX_REQUEST_SPARSE_ELEMENTS} elements",
+                status=413,
+            )
 
 
 def _spans_from_proto(spans: Any) -> list[ProvenanceSpan] | None:

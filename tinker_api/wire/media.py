@@ -7,6 +7,7 @@ application/x-protobuf``), zstd-compressed when the server's client config sets
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -87,6 +88,22 @@ def parse_json(model: type[ModelT], body: bytes) -> ModelT:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise WireError(f"invalid {model.__name__}: {_first_errors(exc)}") from None
+
+
+def json_position(body: bytes) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` of a JSON body that failed validation, when both can be read:
+    the client has spent that seq_id even though the server refused the request."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    model_id, seq = data.get("model_id"), data.get("seq_id")
+    # bool is an int to Python, never a seq_id to the SDK.
+    if not isinstance(model_id, str) or not model_id or type(seq) is not int:
+        return None
+    return model_id, seq
 
 
 def _first_errors(exc: ValidationError, limit: int = 3) -> str:
