@@ -19,6 +19,7 @@ from tinker_api.events import QUEUE_COUNTED
 from tinker_api.services.queue import SERVE_BASE_MODEL
 from workers import conf
 from workers.devices import lease_devices
+from workers.dispatcher import request_dispatch
 from workers.leases import LeaseKeeper
 from workers.locktable import GpuLockTable, Lease
 
@@ -88,6 +89,9 @@ def serve_base_model(
             drain_failed(base, worker_id, f"the model worker for {base} could not start: {outcome}")
         table.release(lease)
         log.info("model worker %s for %s ended: %s", worker_id, base, outcome)
+        # A queued job may have waited for this block: place it now, not at the reaper's
+        # next pass.
+        request_dispatch()
     return outcome
 
 

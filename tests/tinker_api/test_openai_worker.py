@@ -273,6 +273,61 @@ def test_it_holds_new_requests_until_the_batch_empties_when_rows_cannot_join(
     assert futures.queued_samples(BASE) == 0
 
 
+def test_it_takes_requests_in_order_while_their_rows_fit() -> None:
+    from tinker_api.worker.requests import fitting, rows_of
+
+    def op(n: int, prompts: int | None = None) -> Op:
+        if prompts is None:
+            return Op(fields={"op": "chat", "mode": "chat", "n": n})
+        return Op(fields={"op": "chat", "mode": "completion", "n": n, "prompts": [[1]] * prompts})
+
+    sample = Op(fields={"op": "sample", "n": 4})
+    assert [rows_of(o) for o in (op(2), op(2, prompts=3), sample)] == [2, 6, 4]
+    assert fitting([op(2), op(2), op(1)], 3, at_least_one=True) == 1
+    assert fitting([op(1), op(1), op(1)], 3, at_least_one=True) == 3
+    # The one that does not fit stops the rest, small as they are.
+    assert fitting([op(1), op(3), op(1)], 3, at_least_one=True) == 1
+    # Larger than the whole room: alone when it may be, else not at all.
+    assert fitting([op(5), op(1)], 3, at_least_one=True) == 1
+    assert fitting([op(5), op(1)], 3, at_least_one=False) == 0
+    assert fitting([], 3, at_least_one=True) == 0
+
+
+def test_requests_past_the_row_limit_wait_for_rows_to_leave(
+    engine: Any, redis_client: Any, clean_tinker_keys: None, settings: Any
+) -> None:
+    settings.OPENTINKER_OPENAI_STREAM_INTERVAL_MS = 0
+    settings.OPENTINKER_TINKER_SAMPLE_BATCH_ROWS = 3
+    handler = make_handler(engine)
+    first = chat_op(n=2, max_tokens=4, ignore_eos=True)
+    second = chat_op(n=2, max_tokens=4, ignore_eos=True)
+    third = chat_op(n=1, max_tokens=4, ignore_eos=True)
+    handler.admit([first, second, third])
+    # The second does not fit beside the first, and the third waits behind it.
+    assert len(handler.batch) == 2
+    assert events_of(second) == [] and events_of(third) == []
+    widest = 0
+    while futures.get(first.rid)["status"] != futures.DONE:
+        handler.step()
+        widest = max(widest, len(handler.batch))
+    # The step that ended the first started the two that waited.
+    assert len(handler.batch) == 3
+    while handler.busy:
+        handler.step()
+        widest = max(widest, len(handler.batch))
+    assert widest == 3
+    for op in (first, second, third):
+        assert [e["t"] for e in events_of(op)][-1] == "done"
+    # A request larger than the limit on its own still runs, alone.
+    large = chat_op(n=5, max_tokens=2, ignore_eos=True)
+    handler.admit([large])
+    assert len(handler.batch) == 5
+    while handler.busy:
+        handler.step()
+    assert [e["t"] for e in events_of(large)][-1] == "done"
+    assert futures.queued_samples(BASE) == 0
+
+
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nCall a tool as <tool_call>"
     '{"name": ..., "arguments": ...}</tool_call>. Tools:'

@@ -18,7 +18,7 @@ from django.test import Client
 
 from tests.tinker_api.conftest import BASE_NAME
 from tinker_api import futures
-from tinker_api.models import TinkerSession
+from tinker_api.models import TinkerSession, TrainingModel
 
 pytestmark = pytest.mark.usefixtures("clean_tinker_keys")
 
@@ -203,6 +203,129 @@ def test_it_stops_heartbeats_of_a_finished_session(
     assert api(client, key, "session_heartbeat", {"session_id": session_id}).status_code == 410
 
 
+def test_it_records_the_seq_id_of_a_body_that_fails_validation(
+    tinker_base: Any,
+    owner_key: tuple[Any, str],
+    outsider_key: tuple[Any, str],
+    redis_client: Any,
+) -> None:
+    client = Client()
+    key = owner_key[1]
+    _, model_id = new_model(client, key, new_session(client, key))
+    invalid: list[tuple[str, dict[str, Any], str]] = [
+        (
+            "optim_step",
+            {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": "fast"}},
+            "adam_params.learning_rate",
+        ),
+        # What the SDK sends for AdamParams(learning_rate=float("nan")).
+        (
+            "optim_step",
+            {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": None}},
+            "adam_params.learning_rate",
+        ),
+        ("optim_step", {"model_id": model_id, "seq_id": 3}, "exactly one"),
+        (
+            "save_weights",
+            {"model_id": model_id, "seq_id": 4, "path": "a", "ttl_seconds": 10**30},
+            "ttl_seconds",
+        ),
+        ("save_weights_for_sampler", {"model_id": model_id, "seq_id": 5}, "exactly one"),
+        ("save_weights_external", {"model_id": model_id, "seq_id": 6}, "path"),
+        ("load_weights", {"model_id": model_id, "seq_id": 7, "path": "p"}, "optimizer"),
+        (
+            "forward_backward",
+            {**fwdbwd_body(model_id, 8), "forward_backward_input": {"data": "x"}},
+            "forward_backward_input",
+        ),
+    ]
+    for path, body, detail in invalid:
+        res = api(client, key, path, body)
+        assert res.status_code == 400 and detail in res.json()["detail"], (path, res.content)
+        rid = redis_client.get(f"{futures.PREFIX}dedupe:seq:{model_id}:{body['seq_id']}")
+        assert rid is not None, f"{path}: seq_id {body['seq_id']} left a gap"
+        failed = api(client, key, "retrieve_future", {"request_id": rid.decode()})
+        assert failed.status_code == 200 and failed.json()["category"] == "user"
+        assert detail in failed.json()["error"], path
+    # The skips are queued for the model worker, after the model's creation.
+    assert redis_client.xlen(futures.stream_key(BASE_NAME)) == 1 + len(invalid)
+
+    # Nothing is recorded for a body that names another team's model or an unusable seq_id.
+    bad_lr = {"adam_params": {"learning_rate": "fast"}}
+    res = api(client, outsider_key[1], "optim_step", {"model_id": model_id, "seq_id": 9, **bad_lr})
+    assert res.status_code == 400
+    for seq in (-1, 0, 2**63, "10"):
+        res = api(client, key, "optim_step", {"model_id": model_id, "seq_id": seq, **bad_lr})
+        assert res.status_code == 400
+    assert not list(redis_client.scan_iter(match=f"{futures.PREFIX}dedupe:seq:{model_id}:9"))
+    assert redis_client.xlen(futures.stream_key(BASE_NAME)) == 1 + len(invalid)
+
+
+def test_it_bounds_sampling_requests_and_ids_at_submission(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    import json
+
+    vocab = json.loads((Path(tinker_base.path) / "config.json").read_text())["vocab_size"]
+    client = Client()
+    key = owner_key[1]
+    session_id = new_session(client, key)
+    sampler = api(
+        client,
+        key,
+        "create_sampling_session",
+        {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE_NAME},
+    ).json()["sampling_session_id"]
+    body = {
+        "sampling_session_id": sampler,
+        "seq_id": 0,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+        "sampling_params": {"max_tokens": 2},
+    }
+    for field, value, detail in [
+        ("num_samples", 1_000_000, "num_samples: Input should be less than or equal to 128"),
+        ("topk_sample_logprobs", 10**6, "topk_sample_logprobs: Input should be less than"),
+        ("topk_prompt_logprobs", vocab + 1, f"over the base model's vocabulary of {vocab}"),
+        ("topk_sample_logprobs", vocab + 1, f"over the base model's vocabulary of {vocab}"),
+        ("prompt_alt_tokens_k", 10**6, "prompt_alt_tokens_k: Input should be less than"),
+        ("seq_id", -1, "seq_id: Input should be greater than or equal to 0"),
+        ("seq_id", 10**30, "seq_id: Input should be less than or equal to"),
+    ]:
+        res = api(client, key, "asample", {**body, field: value})
+        assert res.status_code == 400, (field, value, res.content)
+        assert field in res.json()["detail"] and detail in res.json()["detail"]
+    assert redis_client.xlen(futures.stream_key(BASE_NAME)) == 0
+    ok = api(client, key, "asample", {**body, "num_samples": 128, "topk_sample_logprobs": vocab})
+    assert ok.status_code == 200 and len(ok.json()["sample_sequence_ids"]) == 128
+
+    for seq in (2**63, 10**30):
+        res = api(
+            client,
+            key,
+            "create_model",
+            {"session_id": session_id, "model_seq_id": seq, "base_model": BASE_NAME},
+        )
+        assert res.status_code == 400 and "model_seq_id" in res.json()["detail"]
+    assert not TrainingModel.objects.filter(session_id=session_id).exists()
+
+
+@pytest.mark.parametrize("path", ["training_runs", "sessions", "checkpoints"])
+def test_it_refuses_an_offset_out_of_range(
+    tinker_base: Any, owner_key: tuple[Any, str], path: str
+) -> None:
+    client = Client()
+    key = owner_key[1]
+    new_session(client, key)
+    for offset in ("99999999999999999999", "-1", "abc", "9" * 5000):
+        res = api(client, key, f"{path}?offset={offset}")
+        assert res.status_code == 400, (offset, res.content)
+        assert res.json()["detail"].startswith("offset must be an integer")
+    assert api(client, key, f"{path}?limit=x").json() == {"detail": "limit must be an integer"}
+    far = api(client, key, f"{path}?offset={2**62}&limit=1000")
+    assert far.status_code == 200
+    assert not next(v for k, v in far.json().items() if k != "cursor")
+
+
 # --------------------------------------------------------------------------- live worker
 
 
@@ -295,6 +418,59 @@ def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
         time.sleep(0.2)
     assert released(), "the idle model worker kept its block"
     assert futures.worker_of(BASE_NAME) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_job_queued_behind_a_model_worker_starts_when_the_worker_leaves(
+    live_server: Any,
+    tinker_base: Any,
+    start_worker: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tinker_data_dir: Path,
+    owner_key: tuple[Any, str],
+    team: Any,
+    owner: Any,
+    tiny_base_model: Any,
+) -> None:
+    import httpx
+
+    from jobs import services
+    from jobs.models import Job, JobState
+
+    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "3")
+    monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
+    monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "1")
+    # One slot, which the model worker takes; no beat, so no reaper pass places the job.
+    start_worker(slots=1)
+    key = owner_key[1]
+    with httpx.Client(base_url=live_server.url + "/api/v1/", timeout=30) as http:
+        session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
+        created = post(
+            http,
+            key,
+            "create_model",
+            {
+                "session_id": session_id,
+                "model_seq_id": 0,
+                "base_model": BASE_NAME,
+                "lora_config": {"rank": 4},
+            },
+        )
+        assert poll(http, key, created["request_id"]).status_code == 200
+    job = services.submit_job(
+        team=team,
+        user=owner,
+        spec={"method": "rl", "env": "math", "dataset": "builtin:arith_train", "steps": 1},
+        name="behind-the-model-worker",
+    )
+    assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
+    deadline = time.monotonic() + 60
+    while Job.objects.get(pk=job.pk).state == JobState.QUEUED and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # Placed by the model worker's own dispatch as it gave the slot back.
+    assert Job.objects.get(pk=job.pk).state != JobState.QUEUED
+    services.cancel_job(Job.objects.get(pk=job.pk))
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from typing import Any
 
 from tinker_api import events, futures
 from tinker_api.serving.toolcalls import TOOL_CALL_OPEN
-from tinker_api.worker.requests import Op, RequestError
+from tinker_api.worker.requests import Op, RequestError, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.textstream import TextStream
 from training.continuous import ContinuousBatch, Row, StepToken
@@ -111,6 +111,9 @@ class ChatHandler:
         self.runs: list[Running] = []
         self.waiting: list[Op] = []
         self.stream_interval = conf.int_setting("OPENTINKER_OPENAI_STREAM_INTERVAL_MS", minimum=0)
+        # Requests that would take the batch past this many rows wait for rows to leave: a
+        # queue full of n=64 requests must not build a KV cache larger than the device.
+        self.max_rows = conf.int_setting("OPENTINKER_TINKER_SAMPLE_BATCH_ROWS", minimum=1)
         self.ticked_at = float("-inf")
 
     @property
@@ -244,6 +247,10 @@ class ChatHandler:
             self.waiting.extend(ops)
             return
         ops, self.waiting = self.waiting + ops, []
+        taken = fitting(ops, self.max_rows - len(self.batch), at_least_one=not len(self.batch))
+        ops, self.waiting = ops[:taken], ops[taken:]
+        if not ops:
+            return
         gone = events.cancelled(op.rid for op in ops)
         admitted: list[tuple[Running, list[Row]]] = []
         for op in ops:
@@ -345,6 +352,8 @@ class ChatHandler:
         if drop:
             self.batch.drop(drop)
         self._forget()
+        if self.waiting and self.batch.can_join and len(self.batch) < self.max_rows:
+            self.admit([])
 
     def _forget(self) -> None:
         """Stop tracking the requests that have ended and their rows."""

@@ -43,6 +43,24 @@ class Op:
         return int(self.fields.get("seq", 0))
 
 
+def rows_of(op: Op) -> int:
+    """The generation rows a sample or chat request takes: ``n`` per prompt."""
+    f = op.fields
+    prompts = f.get("prompts") if f.get("mode") not in (None, "chat") else None
+    return max(1, int(f.get("n") or 1)) * max(1, len(prompts or [None]))
+
+
+def fitting(ops: list[Op], room: int, *, at_least_one: bool) -> int:
+    """How many of ``ops``, taken in order, fit in ``room`` rows; with ``at_least_one`` the
+    first always counts, so that a request larger than a whole batch still runs, alone. In
+    order rather than any that fit, so that a large request is not passed over for ever."""
+    for taken, op in enumerate(ops):
+        room -= rows_of(op)
+        if room < 0 and (taken or not at_least_one):
+            return taken
+    return len(ops)
+
+
 def fail_request(op: Op, exc: Exception, what: str) -> None:
     """End `op`'s future with `exc`: a `RequestError` as the caller's error (its category),
     anything else as a server error, logged with its traceback (call from the handler)."""

@@ -16,7 +16,7 @@ from tinker_api.worker.chat import ChatHandler
 from tinker_api.worker.handlers import TrainingHandlers
 from tinker_api.worker.ordering import SeqOrder
 from tinker_api.worker.policies import Policies
-from tinker_api.worker.requests import Op
+from tinker_api.worker.requests import Op, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.sampling import SamplingHandler
 from training.engine import Engine
@@ -42,6 +42,10 @@ def session_timeout() -> int:
 
 def torch_threads() -> int:
     return conf.int_setting("OPENTINKER_TINKER_TORCH_THREADS", minimum=1)
+
+
+def sample_batch_rows() -> int:
+    return conf.int_setting("OPENTINKER_TINKER_SAMPLE_BATCH_ROWS", minimum=1)
 
 
 def gather_seconds(device: str) -> float:
@@ -164,7 +168,9 @@ class ModelWorker:
         """Run what is ready; True if anything ran."""
         progressed = False
         if self.samples:
-            batch, self.samples = self.samples, []
+            # One generation batch of as many requests as fit its row limit; the rest wait.
+            taken = fitting(self.samples, sample_batch_rows(), at_least_one=True)
+            batch, self.samples = self.samples[:taken], self.samples[taken:]
             self.sampling.run(batch)
             progressed = True
         # One decode step of the chat batch per turn: what was read since joins it first.
