@@ -364,15 +364,8 @@ def post(http: Any, key: str, path: str, body: dict[str, Any]) -> dict[str, Any]
     return res.json()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
-    live: tuple[Any, Any], owner_key: tuple[Any, str], redis_client: Any
-) -> None:
-    from workers.locktable import GpuLockTable
-
-    _worker, http = live
-    key = owner_key[1]
+def new_live_model(http: Any, key: str) -> tuple[str, str]:
+    """A LoRA model of a new session, created by the live worker: the session's id and its."""
     session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
     created = post(
         http,
@@ -385,8 +378,21 @@ def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
             "lora_config": {"rank": 4},
         },
     )
-    model_id = created["model_id"]
-    assert poll(http, key, created["request_id"]).json()["model_id"] == model_id
+    res = poll(http, key, created["request_id"])
+    assert res.status_code == 200 and res.json()["model_id"] == created["model_id"]
+    return session_id, str(created["model_id"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
+    live: tuple[Any, Any], owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    from workers.locktable import GpuLockTable
+
+    _worker, http = live
+    key = owner_key[1]
+    _session, model_id = new_live_model(http, key)
     # seq 2 arrives before seq 1: it must wait for it.
     step = post(
         http,
@@ -445,19 +451,7 @@ def test_a_job_queued_behind_a_model_worker_starts_when_the_worker_leaves(
     start_worker(slots=1)
     key = owner_key[1]
     with httpx.Client(base_url=live_server.url + "/api/v1/", timeout=30) as http:
-        session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
-        created = post(
-            http,
-            key,
-            "create_model",
-            {
-                "session_id": session_id,
-                "model_seq_id": 0,
-                "base_model": BASE_NAME,
-                "lora_config": {"rank": 4},
-            },
-        )
-        assert poll(http, key, created["request_id"]).status_code == 200
+        new_live_model(http, key)
     job = services.submit_job(
         team=team,
         user=owner,
@@ -480,20 +474,7 @@ def test_it_fails_the_futures_of_a_worker_that_dies_and_recovers_from_the_saved_
 ) -> None:
     worker, http = live
     key = owner_key[1]
-    session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
-    created = post(
-        http,
-        key,
-        "create_model",
-        {
-            "session_id": session_id,
-            "model_seq_id": 0,
-            "base_model": BASE_NAME,
-            "lora_config": {"rank": 4},
-        },
-    )
-    model_id = created["model_id"]
-    poll(http, key, created["request_id"])
+    session_id, model_id = new_live_model(http, key)
     sampler = post(
         http, key, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 1, "path": "keep"}
     )

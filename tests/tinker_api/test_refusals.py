@@ -236,10 +236,8 @@ def _result(server: str, key: str, request_id: str, timeout: float = 60) -> dict
     raise AssertionError(f"future {request_id} still pending after {timeout} s")
 
 
-def test_it_fails_requests_waiting_on_a_seq_id_that_never_arrives(
-    server: str, owner_key: tuple[Any, str]
-) -> None:
-    key = owner_key[1]
+def _new_model(server: str, key: str) -> str:
+    """A LoRA model of a new session, created by the live worker; its id."""
     session_id = _post(server, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
     created = _post(
         server,
@@ -252,8 +250,15 @@ def test_it_fails_requests_waiting_on_a_seq_id_that_never_arrives(
             "lora_config": {"rank": 4},
         },
     )
-    model_id = created["model_id"]
     _result(server, key, created["request_id"])
+    return str(created["model_id"])
+
+
+def test_it_fails_requests_waiting_on_a_seq_id_that_never_arrives(
+    server: str, owner_key: tuple[Any, str]
+) -> None:
+    key = owner_key[1]
+    model_id = _new_model(server, key)
     adam = {"learning_rate": 0.01}
     # seq 1 is never sent (a client that numbered it and then failed before sending).
     waiting = _post(
@@ -278,20 +283,7 @@ def test_it_runs_the_next_request_after_a_body_that_fails_validation(
     from tinker_api import _proto
 
     key = owner_key[1]
-    session_id = _post(server, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
-    created = _post(
-        server,
-        key,
-        "create_model",
-        {
-            "session_id": session_id,
-            "model_seq_id": 0,
-            "base_model": BASE_NAME,
-            "lora_config": {"rank": 4},
-        },
-    )
-    model_id = created["model_id"]
-    _result(server, key, created["request_id"])
+    model_id = _new_model(server, key)
     corrupt = _proto.ForwardBackwardRequest(model_id=model_id, seq_id=9, loss_fn="cross_entropy")
     datum = corrupt.data.add()
     datum.model_input.add().encoded_text.tokens = b"\1\0\0"
