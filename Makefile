@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
-REDIS_SERVER_URL ?= redis://127.0.0.1:6379/0
+REDIS_SERVER ?= redis://127.0.0.1:6379
+REDIS_SERVER_URL ?= $(REDIS_SERVER)/0
 
 .PHONY: java demo serve test test-fast test-embedded test-engine test-services test-verl test-verl-multinode install model datasets bench lint clean verl-env gpu-bundle
 
@@ -47,8 +48,8 @@ datasets: install
 	$(PY) scripts/build_datasets.py
 
 # The suite as parallel parts (tests/sharding.py): the real verl jobs in two shards (a verl
-# job takes ~6 GiB, so no more than two at once), the pass against PostgreSQL + Redis, the
-# embedded pass in EMBEDDED_SHARDS shards by test file, and the engine's tests, started in
+# job takes ~6 GiB, so no more than two at once), the pass against PostgreSQL + Redis in
+# SERVICES_SHARDS shards, the embedded pass in EMBEDDED_SHARDS shards by test file, and the engine's tests, started in
 # that order (the longest first) on TEST_SLOTS slots. Most of a live test's time is spent
 # waiting on worker subprocesses, servers and polls, so one pytest process keeps two cores
 # only partly busy: four slots fill them. Each part has its own data directory, SQLite file
@@ -64,7 +65,9 @@ EMBEDDED_SHARDS ?= 6
 VERL_SHARDS := 2
 EMBEDDED_PARTS := $(addprefix test-embedded-,$(shell seq 1 $(EMBEDDED_SHARDS)))
 VERL_PARTS := $(addprefix test-verl-,$(shell seq 1 $(VERL_SHARDS)))
-TEST_PARTS := $(VERL_PARTS) test-services $(EMBEDDED_PARTS) test-engine
+SERVICES_SHARDS ?= 2
+SERVICES_PARTS := $(addprefix test-services-,$(shell seq 1 $(SERVICES_SHARDS)))
+TEST_PARTS := $(VERL_PARTS) $(SERVICES_PARTS) $(EMBEDDED_PARTS) test-engine
 .PHONY: $(TEST_PARTS) test-durations
 
 test: install
@@ -114,12 +117,25 @@ test-fast: install
 	env -u DATABASE_URL -u REDIS_URL $(PY) -m pytest -q -m "not live and not slow and not gpu and not verl"
 
 # The same suite against real PostgreSQL and Redis, when this machine has them. The engine's
-# tests (tests/training) touch neither: test-engine runs them once.
+# tests (tests/training) touch neither: test-engine runs them once. `make test` runs it in
+# SERVICES_SHARDS shards (the longest part otherwise); each has its own test database
+# (test_opentinker_<i>), Redis database (<i>) and data directory, since the tests clean their
+# Redis keys by prefix and would clear each other's.
+services_up = $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"
+services_pytest = DATABASE_URL="$(PG_URL)" OPENTINKER_DATA_DIR=$(CURDIR)/var/$(1) \
+	$(PY) -m pytest -q --durations=15 --ignore=tests/training -m "not once"
+
 test-services:
-	@if $(PY) scripts/services_up.py "$(PG_URL)" "$(REDIS_SERVER_URL)"; then \
-		DATABASE_URL="$(PG_URL)" REDIS_URL="$(REDIS_SERVER_URL)" \
-		OPENTINKER_DATA_DIR=$(CURDIR)/var/test-services \
-		$(PY) -m pytest -q --durations=15 --ignore=tests/training -m "not once"; \
+	@if $(services_up); then \
+		REDIS_URL="$(REDIS_SERVER_URL)" $(call services_pytest,test-services); \
+	else \
+		echo "PostgreSQL or Redis not reachable: skipped the run against real services"; \
+	fi
+
+$(SERVICES_PARTS): test-services-%:
+	@if $(services_up); then \
+		REDIS_URL="$(REDIS_SERVER)/$*" OPENTINKER_TEST_DB_NAME=test_opentinker_$* \
+		OPENTINKER_TEST_SHARD=$*/$(SERVICES_SHARDS) $(call services_pytest,test-services-$*); \
 	else \
 		echo "PostgreSQL or Redis not reachable: skipped the run against real services"; \
 	fi

@@ -24,6 +24,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":  # noqa: F405
     DATABASES["default"]["TEST"] = {  # noqa: F405
         "NAME": OPENTINKER_TEST_DB_NAME
     }
+elif env.str("OPENTINKER_TEST_DB_NAME", default=""):
+    # Test runs side by side on one server (`make test`'s shards) each need a database.
+    DATABASES["default"]["TEST"] = {"NAME": OPENTINKER_TEST_DB_NAME}  # noqa: F405
 
 if REDIS_URL is None:  # noqa: F405
     from opentinker_site.embedded import ensure_valkey
