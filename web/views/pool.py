@@ -3,7 +3,6 @@ authority), live leases, and the queue in admission order."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from django.contrib.admin.views.decorators import staff_member_required
@@ -16,14 +15,7 @@ from jobs.models import Job
 from workers import conf
 from workers.dispatcher import admission_order, queued_candidates
 from workers.inventory import lock_table
-
-
-def _is_uuid(value: str) -> bool:
-    try:
-        uuid.UUID(value)
-    except ValueError:
-        return False
-    return True
+from workers.locktable import is_job_id
 
 
 @staff_member_required
@@ -36,7 +28,7 @@ def pool(request: HttpRequest) -> HttpResponse:
         snap = {"nodes": {}, "leases": []}
         error = f"lock table unavailable: {exc}"
     # Not every lease is a job's: a Tinker model worker holds "tinker:<base>:<id>".
-    lease_jobs = {le["job_id"] for le in snap["leases"] if _is_uuid(le["job_id"])}
+    lease_jobs = {le["job_id"] for le in snap["leases"] if is_job_id(le["job_id"])}
     jobs = {str(j.pk): j for j in Job.objects.filter(pk__in=lease_jobs).select_related("team")}
     for name, info in sorted(snap["nodes"].items()):
         gpus = []
