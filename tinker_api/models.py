@@ -84,6 +84,11 @@ class TrainingModel(models.Model):
     def __str__(self) -> str:
         return self.id
 
+    def spill_path(self) -> Path:
+        """Where a model worker that leaves (idle, or its Celery worker stopping) writes this
+        model's live state, so that the next worker takes it up where it was left."""
+        return Path(settings.OPENTINKER_DATA_DIR) / f"tinker/{self.team_id}/{self.id}/live.pt"
+
     def worker_config(self) -> dict[str, Any]:
         """What a model worker needs to build this model's policy (JSON)."""
         return {

@@ -77,6 +77,10 @@ def serve_base_model(
         worker = ModelWorker(base, base_path, lease_devices(table, node, gpus)[0], worker_id)
         heartbeat.on_lost = worker.stopping.set
         outcome = worker.serve()
+        if outcome in ("idle", "shutdown"):
+            # Still registered and holding the lease: no other worker serves these models
+            # until this one is gone, so what it writes is their newest state.
+            worker.policies.spill()
     except Exception as exc:
         log.exception("model worker for %s failed", base)
         outcome = f"failed: {exc}"

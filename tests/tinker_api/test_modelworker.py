@@ -258,6 +258,7 @@ def test_it_holds_a_ready_batch_briefly_for_other_active_models(
     assert calls == [3, 2]
 
 
+@pytest.mark.django_db(transaction=True)
 def test_it_drops_the_queued_work_of_a_finished_session(base_model_dir: Path) -> None:
     worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-close")
     create("a", 1)
@@ -298,3 +299,43 @@ def test_it_closes_the_models_of_sessions_that_stopped_heartbeating(
     gone = TinkerSession.objects.get(pk="s-gone")
     assert gone.finished and gone.finish_reason == "interrupted"
     assert not TinkerSession.objects.get(pk="s-live").finished
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_is_taken_up_from_its_newest_state_on_disk(
+    base_model_dir: Path, team: Any, tinker_data_dir: Path
+) -> None:
+    """What a worker left when it gave its block back, unless a save is newer; a session that
+    stops heartbeating takes its left state with it."""
+    import os
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tinker_api.models import Checkpoint, TinkerSession, TrainingModel
+    from tinker_api.worker.policies import latest_state
+
+    session = TinkerSession.objects.create(id="s-left", team=team)
+    row = TrainingModel.objects.create(
+        id="s-left:train:0", session=session, team=team, base_model=BASE, lora_rank=4
+    )
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-left")
+    create(row.id, 1)
+    drain(worker)
+    assert latest_state(row) == ""
+    assert worker.policies.spill() == 1
+    left = row.spill_path()
+    assert latest_state(row) == str(left)
+    saved = Checkpoint.objects.create(
+        model=row, team=team, kind=Checkpoint.Kind.TRAINING, name="later", file="later.pt"
+    )
+    worker.policies[row.id].save_state(saved.file_path())
+    Checkpoint.objects.filter(pk=saved.pk).update(size_bytes=saved.file_path().stat().st_size)
+    os.utime(left, (1, 1))
+    assert latest_state(row) == str(saved.file_path())
+    os.utime(saved.file_path(), (0, 0))
+    assert latest_state(row) == str(left)
+    long_ago = timezone.now() - timedelta(hours=1)
+    TinkerSession.objects.filter(pk=session.pk).update(last_heartbeat=long_ago)
+    assert worker.reap_sessions() == [row.id]
+    assert not left.exists()

@@ -383,13 +383,24 @@ def new_live_model(http: Any, key: str) -> tuple[str, str]:
     return session_id, str(created["model_id"])
 
 
+def block_released(redis_client: Any, timeout: float = 30) -> bool:
+    """Whether the model worker gave its lock-table block back within ``timeout``."""
+    from workers.locktable import GpuLockTable
+
+    table = GpuLockTable(redis_client)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(lease.job_id.startswith("tinker:") for lease in table.leases()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
     live: tuple[Any, Any], owner_key: tuple[Any, str], redis_client: Any
 ) -> None:
-    from workers.locktable import GpuLockTable
-
     _worker, http = live
     key = owner_key[1]
     _session, model_id = new_live_model(http, key)
@@ -414,16 +425,52 @@ def test_it_runs_a_models_requests_in_seq_id_order_and_releases_an_idle_worker(
     # The step saw the gradient of seq 1: a non-zero norm.
     assert step_result["metrics"]["optim/grad_norm:mean"] > 0
 
-    table = GpuLockTable(redis_client)
-
-    def released() -> bool:
-        return not any(lease.job_id.startswith("tinker:") for lease in table.leases())
-
-    deadline = time.monotonic() + 30
-    while not released() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert released(), "the idle model worker kept its block"
+    assert block_released(redis_client), "the idle model worker kept its block"
     assert futures.worker_of(BASE_NAME) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_live_sessions_model_survives_its_worker_leaving_idle(
+    live: tuple[Any, Any], owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    """A client that pauses longer than the idle time (a long evaluation of its own) finds
+    its model as it left it: weights, optimizer state and step, not its last save."""
+    _worker, http = live
+    key = owner_key[1]
+    session_id, model_id = new_live_model(http, key)
+    fwd = post(http, key, "forward_backward", fwdbwd_body(model_id, 1))
+    poll(http, key, fwd["request_id"])
+    step = post(
+        http,
+        key,
+        "optim_step",
+        {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.05}},
+    )
+    poll(http, key, step["request_id"])
+
+    def logprobs(seq_id: int) -> list[float]:
+        forward = post(http, key, "forward", fwdbwd_body(model_id, seq_id))
+        res = poll(http, key, forward["request_id"])
+        assert res.status_code == 200, res.text
+        return list(res.json()["loss_fn_outputs"][0]["logprobs"]["data"])
+
+    before = logprobs(3)
+    assert block_released(redis_client), "the idle model worker kept its block"
+    post(http, key, "session_heartbeat", {"session_id": session_id})
+    # The next request starts a new worker, which takes the model up where it was left.
+    after = logprobs(4)
+    assert after == pytest.approx(before, abs=1e-6)
+    saved = post(http, key, "save_weights", {"model_id": model_id, "seq_id": 5, "path": "s"})
+    assert poll(http, key, saved["request_id"]).status_code == 200
+    from tinker_api.models import Checkpoint
+
+    # One optimizer step was taken before the worker left: the new worker's state counts it.
+    assert Checkpoint.objects.get(model_id=model_id, name="s").step == 1
+    left = TrainingModel.objects.get(pk=model_id).spill_path()
+    assert left.is_file()
+    post(http, key, f"sessions/{session_id}/finish", {"reason": {"type": "success"}})
+    assert not left.exists(), "a finished session's live state stayed on disk"
 
 
 @pytest.mark.slow

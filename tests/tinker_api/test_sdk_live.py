@@ -414,19 +414,26 @@ def test_a_warm_shutdown_of_the_celery_worker_ends_its_model_worker_at_once(
     monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "600")
     monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
     worker = start_worker()
+    from tinker_api.models import TrainingModel
+
     with service_client(live_server.url + "/", owner_key[1]) as service:
         training = service.create_lora_training_client(base_model=BASE_NAME, rank=4).result()
         datum = sft_datum(training.get_tokenizer(), "12+7=", "19")
         training.forward_backward([datum], "cross_entropy").result()
-    assert futures.worker_active(BASE_NAME)
-    table = GpuLockTable(conf.get_redis())
-    assert [lease.job_id for lease in table.leases() if lease.job_id.startswith("tinker:")]
+        assert futures.worker_active(BASE_NAME)
+        table = GpuLockTable(conf.get_redis())
+        assert [lease.job_id for lease in table.leases() if lease.job_id.startswith("tinker:")]
 
-    worker.proc.send_signal(signal.SIGTERM)
-    try:
-        worker.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the worker is still waiting for its model worker:\n{worker.log()[-3000:]}")
-    assert f"for {BASE_NAME} ended: shutdown" in worker.log()
-    assert not futures.worker_active(BASE_NAME)
-    assert not [lease for lease in table.leases() if lease.job_id.startswith("tinker:")]
+        worker.proc.send_signal(signal.SIGTERM)
+        try:
+            worker.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker still waits for its model worker:\n{worker.log()[-3000:]}")
+        assert f"for {BASE_NAME} ended: shutdown" in worker.log()
+        assert not futures.worker_active(BASE_NAME)
+        assert not [lease for lease in table.leases() if lease.job_id.startswith("tinker:")]
+        # The session is still open: its model, as the worker left it, waits on disk.
+        left = TrainingModel.objects.get(pk=training.model_id).spill_path()
+        assert left.is_file()
+    # The session ended with the client.
+    assert not left.exists()

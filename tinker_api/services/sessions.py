@@ -44,8 +44,10 @@ def finish_session(caller: Caller, session_id: str, req: s.SessionFinishRequest)
     if not finished:
         return
     by_base: dict[str, list[str]] = {}
-    for model_id, base in TrainingModel.objects.filter(session=row).values_list("id", "base_model"):
-        by_base.setdefault(base, []).append(model_id)
+    for model in TrainingModel.objects.filter(session=row):
+        by_base.setdefault(model.base_model, []).append(model.id)
+        # The state a model worker left when it gave its block back serves no one now.
+        model.spill_path().unlink(missing_ok=True)
     for base, models in by_base.items():
         # Only a running worker holds these models; none to start for a goodbye.
         current = futures.worker_of(base)

@@ -64,21 +64,57 @@ class Policies(Mapping[str, Policy]):
             self.engine.remove_policy(model_id)
         return policy
 
+    def spill(self) -> int:
+        """Write every live policy's whole state (weights, optimizer, step, RNG) where the
+        next worker of this base model looks first, before this one gives its block back;
+        returns how many were written. A model whose write fails keeps its last save."""
+        written = 0
+        for row in TrainingModel.objects.filter(pk__in=list(self._live)):
+            try:
+                self._live[row.id].save_state(row.spill_path())
+                written += 1
+            except Exception:
+                log.exception("could not write the live state of %s", row.id)
+        return written
+
+    def close(self, model_id: str) -> None:
+        """``model_id``'s session is over: free its weights, and its live state on disk."""
+        self.remove(model_id)
+        row = TrainingModel.objects.filter(pk=model_id).first()
+        if row is not None:
+            row.spill_path().unlink(missing_ok=True)
+
     def _rebuild(self, model_id: str) -> Policy:
         row = TrainingModel.objects.filter(pk=model_id).first()
         if row is None:
             raise RequestError(f"unknown model {model_id}")
         policy = self.new(model_id, row.worker_config())
-        last = (
-            # Only states whose file was written (a save the dead worker never ran has none).
-            Checkpoint.objects.filter(
-                model_id=model_id, kind=Checkpoint.Kind.TRAINING, size_bytes__isnull=False
-            )
-            .order_by("-created")
-            .first()
-        )
-        source = str(last.file_path()) if last is not None else row.init_checkpoint
+        source = latest_state(row)
         if source:
             policy.load_state(source)
-        log.warning("model %s rebuilt from %s", model_id, source or "its initial weights")
+        if source == str(row.spill_path()):
+            log.info("model %s taken up from the state its last worker left", model_id)
+        else:
+            log.warning("model %s rebuilt from %s", model_id, source or "its initial weights")
         return policy
+
+
+def latest_state(row: TrainingModel) -> str:
+    """The newest state of a model on disk: what its last worker left when it gave its block
+    back, or a save written after that, else the checkpoint it was created from ("" if none).
+    A worker that died left nothing: its model restarts from its last save."""
+    last = (
+        # Only states whose file was written (a save the dead worker never ran has none).
+        Checkpoint.objects.filter(
+            model_id=row.id, kind=Checkpoint.Kind.TRAINING, size_bytes__isnull=False
+        )
+        .order_by("-created")
+        .first()
+    )
+    saved = last.file_path() if last is not None else None
+    spilled = row.spill_path()
+    if spilled.is_file() and (
+        saved is None or not saved.is_file() or spilled.stat().st_mtime >= saved.stat().st_mtime
+    ):
+        return str(spilled)
+    return str(saved) if saved is not None else row.init_checkpoint

@@ -127,7 +127,8 @@ class ModelWorker:
         for model in models:
             for queued in self.order.drop(model):
                 futures.fail(queued.rid, f"the session of {model} {why}", "user")
-            policy = self.policies.remove(model)
+            policy = self.policies.get(model)
+            self.policies.close(model)
             if policy is not None:
                 self.samplers.forget(policy)
 
