@@ -69,6 +69,12 @@ class Job(models.Model):
     gpu_seconds = models.FloatField(default=0.0, help_text="GPU time of finished attempts.")
     error_code = models.CharField(max_length=64, blank=True, default="")
     error_message = models.TextField(blank=True, default="")
+    queue_note = models.CharField(
+        max_length=300,
+        blank=True,
+        default="",
+        help_text="Why a queued job is still waiting, from the dispatcher's last pass.",
+    )
 
     class Meta:
         indexes = [

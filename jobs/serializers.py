@@ -39,6 +39,7 @@ class JobSerializer(serializers.ModelSerializer):
             "gpu_seconds",
             "error_code",
             "error_message",
+            "queue_note",
         ]
         read_only_fields = fields
 

@@ -295,10 +295,18 @@ def mark_starting(job_id: JobId, *, node: str, gpus: Iterable[str], task_id: str
             return False
         # Same lock as submit_job: two starts of one team cannot both pass the check.
         quota = Quota.objects.select_for_update().filter(team_id=team_id).first()
-        if quota is not None and gpus_in_use(team_id) + len(gpus) > quota.max_gpus:
+        in_use = gpus_in_use(team_id) if quota is not None else 0
+        if quota is not None and in_use + len(gpus) > quota.max_gpus:
             logger.info("job %s waits: team %s is at its max_gpus quota", job_id, team_id)
+            note_waiting(
+                {
+                    job_id: f"the team's jobs hold {in_use} of its {quota.max_gpus} GPUs "
+                    f"(max_gpus quota); this one needs {len(gpus)}"
+                }
+            )
             return False
         updated = Job.objects.filter(pk=job_id, state=JobState.QUEUED).update(
+            queue_note="",
             state=JobState.STARTING,
             node=node,
             gpus_held=gpus,
@@ -311,6 +319,23 @@ def mark_starting(job_id: JobId, *, node: str, gpus: Iterable[str], task_id: str
                 job_id, JobState.QUEUED, JobState.STARTING, f"placed on {node}", gpus=gpus
             )
     return bool(updated)
+
+
+def note_waiting(notes: Mapping[JobId, str]) -> None:
+    """Say on each queued job why it still waits (shown on its page and in the API); a row
+    whose note is unchanged is not written."""
+    by_note: dict[str, list[JobId]] = {}
+    for job_id, note in notes.items():
+        by_note.setdefault(note[:300], []).append(job_id)
+    for note, ids in by_note.items():
+        Job.objects.filter(pk__in=ids, state=JobState.QUEUED).exclude(queue_note=note).update(
+            queue_note=note
+        )
+
+
+def note_all_waiting(note: str) -> None:
+    """The same note on every queued job (nothing can be placed at all)."""
+    Job.objects.filter(state=JobState.QUEUED).exclude(queue_note=note).update(queue_note=note)
 
 
 def mark_running(job_id: JobId, *, attempt: int) -> bool:

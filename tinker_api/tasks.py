@@ -77,7 +77,7 @@ def serve_base_model(
         worker = ModelWorker(base, base_path, lease_devices(table, node, gpus)[0], worker_id)
         heartbeat.on_lost = worker.stopping.set
         outcome = worker.serve()
-        if outcome in ("idle", "shutdown"):
+        if outcome in ("idle", "yielded", "shutdown"):
             # Still registered and holding the lease: no other worker serves these models
             # until this one is gone, so what it writes is their newest state.
             worker.policies.spill()

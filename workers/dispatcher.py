@@ -36,11 +36,12 @@ from jobs import placement, services
 from jobs.models import Job, JobState
 from workers import audit, conf, gang
 from workers.celeryconf import JOIN_JOB_TASK, RUN_JOB_TASK, node_queue
-from workers.locktable import GpuLockTable, Lease
+from workers.locktable import GpuLockTable, Lease, is_job_id
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "JOBS_WAITING_KEY",
     "KEY_PREFIX",
     "Candidate",
     "admission_order",
@@ -54,6 +55,11 @@ LOCK_KEY = KEY_PREFIX + "lock"
 PENDING_KEY = KEY_PREFIX + "pending"
 # Far longer than one pass; only bounds how long a crashed dispatcher blocks the next one.
 LOCK_TIMEOUT_SECONDS = 60
+# Set while a job that the live nodes could hold waits for GPUs (renewed by every dispatch
+# pass, the reaper's included): model workers serving nothing then leave before their idle
+# time is up.
+JOBS_WAITING_KEY = KEY_PREFIX + "jobs-waiting"
+JOBS_WAITING_SECONDS = 30
 SCAN_LIMIT = 1000
 
 
@@ -170,30 +176,87 @@ def _send(
 
 
 def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None) -> list[str]:
-    """One admission pass (the caller holds the dispatch lock). Returns admitted job ids."""
+    """One admission pass (the caller holds the dispatch lock). Returns admitted job ids.
+
+    Every job left waiting gets a note saying why (``Job.queue_note``); while a job that the
+    live nodes could hold waits for GPUs, ``JOBS_WAITING_KEY`` is set, which tells model
+    workers serving nothing to give their blocks back early."""
     table = table or GpuLockTable(conf.get_redis())
     now = now or timezone.now()
     nodes = table.nodes()
     alive_sizes = [len(i["gpus"]) for i in nodes.values() if i["alive"]]
     if not alive_sizes:
-        return []  # nothing could be placed: skip the queue scan (every submit lands here)
+        # Nothing could be placed: one UPDATE instead of the queue scan (every submit lands here).
+        services.note_all_waiting("no GPU worker is running: no live node to place it on")
+        return []
     candidates = queued_candidates()
     if not candidates:
         return []
     aging, window, ttl = conf.aging_seconds(), conf.backfill_window_seconds(), conf.lease_seconds()
     admitted: list[str] = []
-    for cand in admission_order(candidates, now, aging):
+    waiting: dict[str, str] = {}
+    pool = _Pool(table)
+    ordered_candidates = admission_order(candidates, now, aging)
+    for i, cand in enumerate(ordered_candidates):
         per_node = cand.gpus_per_node
         lease = table.allocate(cand.job_id, cand.gpus, ttl, per_node=per_node)
         if lease is None:
-            holdable = placement.fits(alive_sizes, cand.gpus, per_node)
-            if holdable and cand.waited(now) >= window:
+            if not placement.fits(alive_sizes, cand.gpus, per_node):
+                waiting[cand.job_id] = (
+                    f"needs {_gpus(cand.gpus, per_node)}: no live node can hold that "
+                    f"(live nodes have {', '.join(map(str, sorted(set(alive_sizes))))} GPUs)"
+                )
+                continue
+            pool.starved()
+            if cand.waited(now) >= window:
                 log.info("job %s (%d GPUs) reserves the pool: no backfill", cand.job_id, cand.gpus)
+                waiting[cand.job_id] = (
+                    f"first in line for {_gpus(cand.gpus, per_node)} ({pool.describe()}): "
+                    "jobs behind it wait until they are free"
+                )
+                for behind in ordered_candidates[i + 1 :]:
+                    waiting[behind.job_id] = (
+                        f"behind job {cand.job_id}, which waits for {_gpus(cand.gpus, per_node)}"
+                    )
                 break
+            waiting[cand.job_id] = f"waiting for {_gpus(cand.gpus, per_node)} ({pool.describe()})"
             continue
         if _start(table, cand, lease):
             admitted.append(cand.job_id)
+    services.note_waiting(waiting)
     return admitted
+
+
+def _gpus(n: int, per_node: int | None) -> str:
+    what = f"{n} GPU{'s' if n != 1 else ''}"
+    return what if per_node is None else f"{what}, {per_node} a node"
+
+
+class _Pool:
+    """What a waiting job's note says about the pool, read once per pass when first needed."""
+
+    def __init__(self, table: GpuLockTable) -> None:
+        self.table = table
+        self._described: str | None = None
+        self._starved = False
+
+    def starved(self) -> None:
+        if not self._starved:
+            self._starved = True
+            self.table.redis.set(JOBS_WAITING_KEY, "1", ex=JOBS_WAITING_SECONDS)
+
+    def describe(self) -> str:
+        if self._described is None:
+            snap = self.table.snapshot()
+            live = [i for i in snap["nodes"].values() if i["alive"]]
+            free = sum(len(i["free"]) for i in live)
+            serving = sum(1 for i in live for holder in i["held"].values() if not is_job_id(holder))
+            self._described = f"{free} of {sum(len(i['gpus']) for i in live)} free"
+            if serving:
+                self._described += (
+                    f"; {serving} held by model workers, which give them back when idle"
+                )
+        return self._described
 
 
 def request_dispatch() -> list[str]:

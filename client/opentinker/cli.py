@@ -105,6 +105,8 @@ def _job_line(job: Job) -> str:
     total = r.total_steps
     step = f"{r.current_step or 0}/{total}" if total else str(r.current_step or 0)
     extra = f"  {r.error_code}: {r.error_message}" if r.error_code else ""
+    if r.state == "QUEUED" and r.queue_note:
+        extra = f"  ({r.queue_note})"
     return f"{job.id}  {r.state:<9}  step {step}  {r.spec.get('method', '')}  {r.name}{extra}"
 
 

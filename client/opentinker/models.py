@@ -41,6 +41,8 @@ class JobRecord(_Model):
     gpu_seconds: float = 0.0
     error_code: str = ""
     error_message: str = ""
+    # Why a queued job still waits (older servers do not send it).
+    queue_note: str = ""
 
     @property
     def is_final(self) -> bool:

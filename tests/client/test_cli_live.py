@@ -134,7 +134,11 @@ def test_it_shows_the_servers_field_and_reason_for_a_spec_it_refuses(
 
 
 def test_it_maps_refusals_to_documented_exit_codes(
-    api: Any, cli: Callable[..., Any], outsider_key: tuple[Any, str], smoke_yaml: Path
+    api: Any,
+    cli: Callable[..., Any],
+    outsider_key: tuple[Any, str],
+    smoke_yaml: Path,
+    clean_control_plane: Any,
 ) -> None:
     missing = cli("status", str(uuid.uuid4()), env=api.env)
     assert missing.exit_code == 4 and "HTTP 404" in missing.stderr
@@ -145,6 +149,8 @@ def test_it_maps_refusals_to_documented_exit_codes(
     job_id = cli("submit", str(smoke_yaml), "smoke_steps=1", env=api.env).stdout.strip()
     foreign = cli("status", job_id, env={**api.env, "OPENTINKER_API_KEY": outsider_key[1]})
     assert foreign.exit_code == 4
+    # No worker runs here: the job's line says why it waits.
+    assert "(no GPU worker is running" in cli("status", job_id, env=api.env).stdout
 
     unreachable = cli(
         "jobs", env={**api.env, "OPENTINKER_URL": "http://127.0.0.1:9", "OPENTINKER_RETRIES": "1"}

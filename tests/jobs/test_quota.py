@@ -160,6 +160,9 @@ def test_it_keeps_a_job_queued_while_the_team_holds_max_gpus(team, owner):
     assert services.gpus_in_use(team.pk) == 2
     assert not services.mark_starting(small.pk, node="n", gpus=["n:2"], task_id="t2")
     assert Job.objects.get(pk=small.pk).state == JobState.QUEUED
+    assert Job.objects.get(pk=small.pk).queue_note == (
+        "the team's jobs hold 2 of its 2 GPUs (max_gpus quota); this one needs 1"
+    )
     assert services.mark_running(big.pk, attempt=1)
     assert services.finish_job(big.pk, JobState.SUCCEEDED, attempt=1)
     assert services.gpus_in_use(team.pk) == 0

@@ -491,26 +491,36 @@ def test_a_job_queued_behind_a_model_worker_starts_when_the_worker_leaves(
     from jobs import services
     from jobs.models import Job, JobState
 
-    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "3")
+    # The worker would serve until idle for 600 s; a job waiting for its slot ends that
+    # after 2 s without a request.
+    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", "600")
+    monkeypatch.setenv("OPENTINKER_TINKER_WORKER_YIELD_SECONDS", "2")
     monkeypatch.setenv("OPENTINKER_TINKER_TORCH_THREADS", "1")
     monkeypatch.setenv("OPENTINKER_TINKER_LONG_POLL_SECONDS", "1")
     # One slot, which the model worker takes; no beat, so no reaper pass places the job.
-    start_worker(slots=1)
+    worker = start_worker(slots=1)
     key = owner_key[1]
     with httpx.Client(base_url=live_server.url + "/api/v1/", timeout=30) as http:
-        new_live_model(http, key)
+        _session, model_id = new_live_model(http, key)
     job = services.submit_job(
         team=team,
         user=owner,
         spec={"method": "rl", "env": "math", "dataset": "builtin:arith_train", "steps": 1},
         name="behind-the-model-worker",
     )
-    assert Job.objects.get(pk=job.pk).state == JobState.QUEUED
+    queued = Job.objects.get(pk=job.pk)
+    assert queued.state == JobState.QUEUED
+    assert queued.queue_note == (
+        "waiting for 1 GPU (0 of 1 free; 1 held by model workers, which give them back when idle)"
+    )
     deadline = time.monotonic() + 60
     while Job.objects.get(pk=job.pk).state == JobState.QUEUED and time.monotonic() < deadline:
         time.sleep(0.2)
     # Placed by the model worker's own dispatch as it gave the slot back.
-    assert Job.objects.get(pk=job.pk).state != JobState.QUEUED
+    assert Job.objects.get(pk=job.pk).state != JobState.QUEUED, worker.log()[-3000:]
+    assert f"for {BASE_NAME} ended: yielded" in worker.log()
+    # Its session is still open: the model waits on disk for the next worker.
+    assert TrainingModel.objects.get(pk=model_id).spill_path().is_file()
     services.cancel_job(Job.objects.get(pk=job.pk))
 
 

@@ -11,6 +11,7 @@ from django.test import Client
 from django.urls import reverse
 
 from accounts.models import Team
+from jobs import services
 from jobs.models import Dataset, Job, JobMetric, JobState
 from jobs.spec import JobSpec
 from tests.fixtures.accounts import MATH_ROWS, jsonl_bytes
@@ -185,6 +186,11 @@ def test_it_serves_live_fragments_and_metrics(
     assert "HX-Request" in rows["Vary"]
     status = client.get(reverse("web:job_detail", args=[job.pk]), HTTP_HX_REQUEST="true")
     assert 'id="job-status"' in status.content.decode() and "<html" not in status.content.decode()
+    # A queued job says why it waits (the dispatcher's note), in the page and the API.
+    services.note_waiting({job.pk: "waiting for 1 GPU (0 of 2 free)"})
+    status = client.get(reverse("web:job_detail", args=[job.pk]), HTTP_HX_REQUEST="true")
+    assert "Waiting for 1 GPU (0 of 2 free)" in status.content.decode()
+    assert client.get(f"/api/v1/jobs/{job.pk}").json()["queue_note"].startswith("waiting for")
     metrics = client.get(reverse("web:job_metrics", args=[job.pk])).json()
     assert metrics["series"]["loss"] == [[1, 2.0], [2, 1.5]]
     assert metrics["order"][0] == "reward/mean" and metrics["final"] is False

@@ -86,6 +86,13 @@ def test_it_lets_small_jobs_backfill_while_a_big_one_waits(
 
     assert dispatch_once(table) == [small]
     assert Job.objects.get(pk=big).state == JobState.QUEUED
+    # Why it waits, with the pool as the pass found it ("someone-else" is no job's lease).
+    assert Job.objects.get(pk=big).queue_note == (
+        "waiting for 4 GPUs (2 of 4 free; 2 held by model workers, which give them back when idle)"
+    )
+    assert Job.objects.get(pk=small).queue_note == ""
+    # Model workers serving nothing are told that a job waits for GPUs.
+    assert table.redis.ttl(dispatcher.JOBS_WAITING_KEY) > 0
 
 
 def test_it_stops_backfill_once_the_big_job_waited_past_the_window(
@@ -103,8 +110,11 @@ def test_it_stops_backfill_once_the_big_job_waited_past_the_window(
     # The big job holds a reservation: the free GPUs stay free for it.
     assert dispatch_once(table) == []
     assert Job.objects.get(pk=small).state == JobState.QUEUED
+    assert Job.objects.get(pk=big).queue_note.startswith("first in line for 4 GPUs (2 of 4 free")
+    assert Job.objects.get(pk=small).queue_note == f"behind job {big}, which waits for 4 GPUs"
     assert blocker is not None and table.release(blocker)
     assert dispatch_once(table) == [big]
+    assert Job.objects.get(pk=big).queue_note == ""
 
 
 def test_it_reserves_nothing_for_a_job_no_live_node_can_hold(
@@ -118,6 +128,20 @@ def test_it_reserves_nothing_for_a_job_no_live_node_can_hold(
     table.refresh("small", ttl=60)  # the 8-GPU node stays down
     assert dispatch_once(table) == [small]
     assert Job.objects.get(pk=huge).state == JobState.QUEUED
+    assert Job.objects.get(pk=huge).queue_note == (
+        "needs 8 GPUs: no live node can hold that (live nodes have 2 GPUs)"
+    )
+    # Only jobs the live nodes could hold keep idle model workers from their blocks.
+    assert not table.redis.exists(dispatcher.JOBS_WAITING_KEY)
+
+
+def test_a_job_with_no_live_node_says_so(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any
+) -> None:
+    offline_node("n", 2)
+    job = queue_job(team, owner)
+    assert dispatch_once(table) == []
+    assert Job.objects.get(pk=job).queue_note.startswith("no GPU worker is running")
 
 
 def test_it_ages_a_low_priority_job_past_newer_high_priority_ones(

@@ -21,6 +21,7 @@ from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.sampling import SamplingHandler
 from training.engine import Engine
 from workers import conf, control
+from workers.dispatcher import JOBS_WAITING_KEY
 
 # How often a worker looks for sessions that stopped heartbeating.
 REAP_SECONDS = 30.0
@@ -33,6 +34,12 @@ STOP_DRAIN_SECONDS = 10.0
 def idle_seconds() -> int:
     """A worker with nothing to do for this long gives its GPU block back."""
     return conf.int_setting("OPENTINKER_TINKER_WORKER_IDLE_SECONDS", minimum=1)
+
+
+def yield_seconds() -> int:
+    """A worker with nothing to do for this long gives its block back early while a queued
+    job waits for GPUs (its models' state goes to disk first, so a client loses nothing)."""
+    return conf.int_setting("OPENTINKER_TINKER_WORKER_YIELD_SECONDS", minimum=1)
 
 
 def session_timeout() -> int:
@@ -56,6 +63,10 @@ def gather_seconds(device: str) -> float:
     if conf.setting("OPENTINKER_TINKER_GATHER_MS") is None:
         return 0.0 if device == "cpu" else 0.003
     return conf.int_setting("OPENTINKER_TINKER_GATHER_MS", minimum=0) / 1000.0
+
+
+def jobs_waiting() -> bool:
+    return bool(conf.get_redis().exists(JOBS_WAITING_KEY))
 
 
 class ModelWorker:
@@ -221,16 +232,18 @@ class ModelWorker:
             pass
 
     def serve(self) -> str:
-        """Run until idle for ``idle_seconds()`` or stopped; returns why it ended."""
-        idle = idle_seconds()
+        """Run until idle for ``idle_seconds()`` (or ``yield_seconds()`` while a queued job
+        waits for GPUs) or stopped; returns why it ended."""
+        idle, early = idle_seconds(), min(yield_seconds(), idle_seconds())
         next_reap = time.monotonic() + REAP_SECONDS
-        next_stop_check = time.monotonic() + STOP_CHECK_SECONDS
+        next_check = time.monotonic() + STOP_CHECK_SECONDS
         while not self.stopping.is_set():
             if time.monotonic() > next_reap:
                 next_reap = time.monotonic() + REAP_SECONDS
                 self.reap_sessions()
-            if time.monotonic() > next_stop_check:
-                next_stop_check = time.monotonic() + STOP_CHECK_SECONDS
+            checking = time.monotonic() > next_check
+            if checking:
+                next_check = time.monotonic() + STOP_CHECK_SECONDS
                 if control.is_stopping():
                     self.drain(STOP_DRAIN_SECONDS)
                     return "shutdown"
@@ -240,6 +253,9 @@ class ModelWorker:
                 continue
             quiet = not self.order.pending and not self.samples and not self.chats
             quiet = quiet and not self.chat.busy
-            if quiet and time.monotonic() - self.last_activity > idle:
+            quiet_for = time.monotonic() - self.last_activity if quiet else 0.0
+            if quiet_for > idle:
                 return "idle"
+            if checking and quiet_for > early and jobs_waiting():
+                return "yielded"
         return "stopped"
