@@ -6,6 +6,7 @@ UPDATE there, so the model has no state-changing methods.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from pathlib import Path
@@ -245,6 +246,27 @@ class BaseModel(models.Model):
             # the module is there all the same, under the name transformers gives it.
             names.add("lm_head")
         return frozenset(names)
+
+    def longest_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes one token of the tokenizer spells (an upper bound: byte-level
+        vocabularies spell a byte with a character of up to two), read from tokenizer.json;
+        None when it cannot be read here. A text of more than this times the context cannot
+        fit in it, which the web process can tell without tokenizing it."""
+        path = self.resolved_path() / "tokenizer.json"
+        try:
+            return _longest_token_bytes(str(path), path.stat().st_mtime_ns)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+@functools.lru_cache(maxsize=32)
+def _longest_token_bytes(path: str, _mtime_ns: int) -> int | None:
+    data = json.loads(Path(path).read_text())
+    vocab = data["model"]["vocab"]
+    # BPE and WordPiece: {piece: id}; Unigram: [[piece, score], ...].
+    pieces = list(vocab) if isinstance(vocab, dict) else [entry[0] for entry in vocab]
+    pieces += [t["content"] for t in data.get("added_tokens") or []]
+    return max((len(p.encode("utf-8")) for p in pieces), default=0) or None
 
 
 # A safetensors file starts with the length of its JSON header (8 bytes, little endian). Real

@@ -526,6 +526,27 @@ def test_it_queues_one_op_for_the_policys_base_model_worker(
     assert futures.queued_samples(BASE_NAME) == 1
 
 
+def test_it_refuses_a_prompt_too_long_for_the_context_before_any_worker_tokenizes_it(
+    served: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    """Megabytes of prompt would stall the worker's every stream while it tokenized them."""
+    longest = served.longest_token_bytes()
+    assert longest is not None and 1 <= longest < 64
+    client = bearer(owner_key[1])
+    too_long = "x" * (longest * served.max_context + 1)
+    chat = post(
+        client, CHAT, {"model": BASE_NAME, "messages": [{"role": "user", "content": too_long}]}
+    )
+    completion = post(client, COMPLETIONS, {"model": BASE_NAME, "prompt": ["hi", too_long]})
+    ids = post(client, COMPLETIONS, {"model": BASE_NAME, "prompt": [1] * served.max_context})
+    for response, param in ((chat, "messages"), (completion, "prompt"), (ids, "prompt")):
+        assert response.status_code == 400
+        error = error_of(response)
+        assert error["param"] == param and error["code"] == "context_length_exceeded"
+    assert "cannot fit" in error_of(chat)["message"]
+    assert queued_ops(redis_client) == []
+
+
 def test_it_releases_streamed_text_only_once_it_is_final(base_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -222,6 +222,7 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
     else:
         req, op = params.completion_op(body)
     served = _resolve(caller, req.model)
+    _check_prompt_size(served.base, op)
     try:
         rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
     except serving.Busy as exc:
@@ -249,6 +250,40 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
     finally:
         if not handed_over:
             release()
+
+
+def _check_prompt_size(base: Any, op: dict[str, Any]) -> None:
+    """Refuse a prompt that cannot fit the base model's context before the model worker
+    tokenizes it: a text longer than the context times the longest token's bytes is more
+    tokens than the context holds, and tokenizing megabytes would stall every stream the
+    worker serves. Finer cases are the worker's (it counts the tokens)."""
+    context = int(base.max_context or 0)
+    longest = base.longest_token_bytes() if context else None
+    if op["mode"] == "chat":
+        texts = [str(m.get("content") or "") for m in op["messages"]]
+        sizes = [("messages", sum(len(t.encode("utf-8", "surrogatepass")) for t in texts))]
+    else:
+        sizes = [
+            ("prompt", len(p.encode("utf-8", "surrogatepass")) if isinstance(p, str) else 0)
+            for p in op["prompts"]
+        ]
+        for p in op["prompts"]:
+            if not isinstance(p, str) and context and len(p) >= context:
+                raise ApiError(
+                    400,
+                    f"the prompt ({len(p)} tokens) fills {base.name}'s context of {context}",
+                    "prompt",
+                    "context_length_exceeded",
+                )
+    for param, size in sizes:
+        if longest and size > longest * context:
+            raise ApiError(
+                400,
+                f"the {param} ({size} bytes of text) cannot fit {base.name}'s context of "
+                f"{context} tokens (a token spells at most {longest} bytes)",
+                param,
+                "context_length_exceeded",
+            )
 
 
 def _answer(
