@@ -55,9 +55,8 @@ LOCK_KEY = KEY_PREFIX + "lock"
 PENDING_KEY = KEY_PREFIX + "pending"
 # Far longer than one pass; only bounds how long a crashed dispatcher blocks the next one.
 LOCK_TIMEOUT_SECONDS = 60
-# Set while a job that the live nodes could hold waits for GPUs (renewed by every dispatch
-# pass, the reaper's included): model workers serving nothing then leave before their idle
-# time is up.
+# Set while a job waits for GPUs that model workers hold (renewed by every dispatch pass, the
+# reaper's included): model workers serving nothing then leave before their idle time is up.
 JOBS_WAITING_KEY = KEY_PREFIX + "jobs-waiting"
 JOBS_WAITING_SECONDS = 30
 SCAN_LIMIT = 1000
@@ -178,9 +177,9 @@ def _send(
 def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None) -> list[str]:
     """One admission pass (the caller holds the dispatch lock). Returns admitted job ids.
 
-    Every job left waiting gets a note saying why (``Job.queue_note``); while a job that the
-    live nodes could hold waits for GPUs, ``JOBS_WAITING_KEY`` is set, which tells model
-    workers serving nothing to give their blocks back early."""
+    Every job left waiting gets a note saying why (``Job.queue_note``); while a job waits
+    for GPUs that model workers hold, ``JOBS_WAITING_KEY`` is set, which tells those serving
+    nothing to give their blocks back early."""
     table = table or GpuLockTable(conf.get_redis())
     now = now or timezone.now()
     nodes = table.nodes()
@@ -207,7 +206,7 @@ def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None
                     f"(live nodes have {', '.join(map(str, sorted(set(alive_sizes))))} GPUs)"
                 )
                 continue
-            pool.starved()
+            pool.starved(cand.gpus, per_node)
             if cand.waited(now) >= window:
                 log.info("job %s (%d GPUs) reserves the pool: no backfill", cand.job_id, cand.gpus)
                 waiting[cand.job_id] = (
@@ -233,30 +232,40 @@ def _gpus(n: int, per_node: int | None) -> str:
 
 
 class _Pool:
-    """What a waiting job's note says about the pool, read once per pass when first needed."""
+    """The pool as a pass found it once a job could not be placed (read once, when first
+    needed): what waiting jobs' notes say, and whether model workers should make room."""
 
     def __init__(self, table: GpuLockTable) -> None:
         self.table = table
-        self._described: str | None = None
+        self._live: list[dict[str, Any]] | None = None
         self._starved = False
 
-    def starved(self) -> None:
-        if not self._starved:
-            self._starved = True
-            self.table.redis.set(JOBS_WAITING_KEY, "1", ex=JOBS_WAITING_SECONDS)
+    def live(self) -> list[dict[str, Any]]:
+        if self._live is None:
+            snap = self.table.snapshot()
+            self._live = [i for i in snap["nodes"].values() if i["alive"]]
+            for info in self._live:
+                info["serving"] = sum(1 for h in info["held"].values() if not is_job_id(h))
+        return self._live
+
+    def starved(self, gpus: int, per_node: int | None) -> None:
+        """A job of ``gpus`` waits: tell idle model workers to leave when their GPUs would
+        let it start (on one node, the free ones and the model workers' together)."""
+        if self._starved:
+            return
+        if per_node is None and not any(len(i["free"]) + i["serving"] >= gpus for i in self.live()):
+            return  # jobs hold what it needs: model workers leaving would not place it
+        self._starved = True
+        self.table.redis.set(JOBS_WAITING_KEY, "1", ex=JOBS_WAITING_SECONDS)
 
     def describe(self) -> str:
-        if self._described is None:
-            snap = self.table.snapshot()
-            live = [i for i in snap["nodes"].values() if i["alive"]]
-            free = sum(len(i["free"]) for i in live)
-            serving = sum(1 for i in live for holder in i["held"].values() if not is_job_id(holder))
-            self._described = f"{free} of {sum(len(i['gpus']) for i in live)} free"
-            if serving:
-                self._described += (
-                    f"; {serving} held by model workers, which give them back when idle"
-                )
-        return self._described
+        live = self.live()
+        free = sum(len(i["free"]) for i in live)
+        serving = sum(i["serving"] for i in live)
+        text = f"{free} of {sum(len(i['gpus']) for i in live)} free"
+        if serving:
+            text += f"; {serving} held by model workers, which give them back when idle"
+        return text
 
 
 def request_dispatch() -> list[str]:

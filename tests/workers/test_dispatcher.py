@@ -3,6 +3,7 @@ the nodes are announced directly, the tasks land in queues nobody consumes)."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -132,6 +133,18 @@ def test_it_reserves_nothing_for_a_job_no_live_node_can_hold(
         "needs 8 GPUs: no live node can hold that (live nodes have 2 GPUs)"
     )
     # Only jobs the live nodes could hold keep idle model workers from their blocks.
+    assert not table.redis.exists(dispatcher.JOBS_WAITING_KEY)
+
+
+def test_model_workers_are_not_asked_to_leave_when_jobs_hold_what_a_job_waits_for(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any
+) -> None:
+    offline_node("n", 2)
+    table.refresh("n", ttl=60)
+    assert table.allocate(str(uuid.uuid4()), 2, ttl=60) is not None  # another job's lease
+    job = queue_job(team, owner)
+    assert dispatch_once(table) == []
+    assert Job.objects.get(pk=job).queue_note == "waiting for 1 GPU (0 of 2 free)"
     assert not table.redis.exists(dispatcher.JOBS_WAITING_KEY)
 
 
