@@ -16,8 +16,10 @@ from celery import shared_task
 
 from tinker_api import futures
 from tinker_api.events import QUEUE_COUNTED
+from tinker_api.services import sessions
 from tinker_api.services.queue import SERVE_BASE_MODEL
 from workers import conf
+from workers.celeryconf import END_SILENT_SESSIONS_TASK
 from workers.devices import lease_devices
 from workers.dispatcher import request_dispatch
 from workers.leases import LeaseKeeper
@@ -97,6 +99,12 @@ def serve_base_model(
         # next pass.
         request_dispatch()
     return outcome
+
+
+@shared_task(name=END_SILENT_SESSIONS_TASK, ignore_result=True)
+def end_silent_sessions() -> int:
+    """Periodic (beat): sessions whose client went away, whichever worker held them."""
+    return sessions.end_abandoned_sessions(sessions.session_timeout())
 
 
 def drain_failed(base: str, worker_id: str, reason: str) -> None:

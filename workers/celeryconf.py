@@ -35,6 +35,9 @@ ENV_QUEUE = "env"
 RUN_JOB_TASK = "workers.tasks.run_job"
 JOIN_JOB_TASK = "workers.tasks.join_job"
 REAP_TASK = "workers.tasks.reap"
+# Defined in tinker_api.tasks (above this package): named here, not imported.
+END_SILENT_SESSIONS_TASK = "tinker_api.end_silent_sessions"
+SESSIONS_SWEEP_SECONDS = 60.0
 ENFORCE_CANCEL_TASK = "workers.tasks.enforce_cancel"
 
 
@@ -75,6 +78,7 @@ def celery_settings() -> dict[str, Any]:
             RUN_JOB_TASK: {"queue": GPU_QUEUE},
             JOIN_JOB_TASK: {"queue": GPU_QUEUE},
             "tinker_api.serve_base_model": {"queue": GPU_QUEUE},
+            END_SILENT_SESSIONS_TASK: {"queue": CONTROL_QUEUE},
             "environments.tasks.*": {"queue": ENV_QUEUE},
         },
         # A GPU task occupies its worker for minutes: never reserve a second one behind it.
@@ -92,6 +96,13 @@ def celery_settings() -> dict[str, Any]:
                 "task": REAP_TASK,
                 "schedule": conf.reap_interval(),
                 "options": {"queue": CONTROL_QUEUE, "expires": conf.reap_interval() * 2},
+            },
+            # Tinker sessions whose client went away while no model worker held their models
+            # (a worker ends those of its own models itself).
+            "end-silent-tinker-sessions": {
+                "task": END_SILENT_SESSIONS_TASK,
+                "schedule": SESSIONS_SWEEP_SECONDS,
+                "options": {"queue": CONTROL_QUEUE, "expires": SESSIONS_SWEEP_SECONDS},
             },
         },
     }

@@ -339,3 +339,38 @@ def test_a_model_is_taken_up_from_its_newest_state_on_disk(
     TinkerSession.objects.filter(pk=session.pk).update(last_heartbeat=long_ago)
     assert worker.reap_sessions() == [row.id]
     assert not left.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_beat_ends_sessions_whose_client_left_while_no_worker_held_them(
+    team: Any, tinker_data_dir: Path
+) -> None:
+    """Their models' left states go with them; a session still heartbeating keeps its own."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from opentinker_site.celery import app
+    from tinker_api.models import TinkerSession, TrainingModel
+    from tinker_api.tasks import end_silent_sessions
+    from workers.celeryconf import END_SILENT_SESSIONS_TASK
+
+    assert any(
+        entry["task"] == END_SILENT_SESSIONS_TASK for entry in app.conf.beat_schedule.values()
+    )
+    left = {}
+    for session_id, beat in (("s-gone", timezone.now() - timedelta(hours=1)), ("s-here", None)):
+        session = TinkerSession.objects.create(
+            id=session_id, team=team, last_heartbeat=beat or timezone.now()
+        )
+        row = TrainingModel.objects.create(
+            id=f"{session_id}:train:0", session=session, team=team, base_model=BASE, lora_rank=4
+        )
+        left[session_id] = row.spill_path()
+        left[session_id].parent.mkdir(parents=True)
+        left[session_id].write_bytes(b"state")
+    assert end_silent_sessions() == 1
+    gone = TinkerSession.objects.get(pk="s-gone")
+    assert gone.finished and gone.finish_reason == "interrupted"
+    assert not left["s-gone"].exists() and left["s-here"].is_file()
+    assert not TinkerSession.objects.get(pk="s-here").finished

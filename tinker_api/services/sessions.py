@@ -13,6 +13,7 @@ from tinker_api import futures
 from tinker_api import schemas as s
 from tinker_api.models import TinkerSession, TrainingModel
 from tinker_api.services.lookups import Caller, get_session
+from workers import conf
 
 
 def create_session(caller: Caller, req: s.CreateSessionRequest) -> TinkerSession:
@@ -57,6 +58,11 @@ def finish_session(caller: Caller, session_id: str, req: s.SessionFinishRequest)
             futures.enqueue(base, {"op": "close", "rid": request_id, "models": models})
 
 
+def session_timeout() -> int:
+    """A session silent this long (the SDK heartbeats every 10 s) is over: its models go."""
+    return conf.int_setting("OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", minimum=10)
+
+
 def end_silent_sessions(model_ids: Collection[str], timeout_seconds: int) -> list[str]:
     """Of ``model_ids``, those whose session is over: finished, or silent for
     ``timeout_seconds`` (its client is gone), which ends it here as ``interrupted``."""
@@ -87,3 +93,21 @@ def session_info(caller: Caller, session_id: str) -> s.GetSessionResponse:
         sampler_ids=list(session.sampling_sessions.values_list("id", flat=True)),
         user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
     )
+
+
+def end_abandoned_sessions(timeout_seconds: int) -> int:
+    """End every session silent for ``timeout_seconds`` (its client is gone) as
+    ``interrupted``, and delete the live states model workers left for its models; returns
+    how many ended. A model worker that still holds such a model closes it at its next reap."""
+    cutoff = timezone.now() - timedelta(seconds=timeout_seconds)
+    silent = list(
+        TinkerSession.objects.filter(
+            finished_at__isnull=True, last_heartbeat__lt=cutoff
+        ).values_list("pk", flat=True)[:1000]
+    )
+    ended = TinkerSession.objects.filter(pk__in=silent, finished_at__isnull=True).update(
+        finished_at=timezone.now(), finish_reason="interrupted", finish_detail="no heartbeat"
+    )
+    for model in TrainingModel.objects.filter(session_id__in=silent):
+        model.spill_path().unlink(missing_ok=True)
+    return ended

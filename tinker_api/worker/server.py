@@ -42,11 +42,6 @@ def yield_seconds() -> int:
     return conf.int_setting("OPENTINKER_TINKER_WORKER_YIELD_SECONDS", minimum=1)
 
 
-def session_timeout() -> int:
-    """A session silent this long (the SDK heartbeats every 10 s) is over: its models go."""
-    return conf.int_setting("OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", minimum=10)
-
-
 def torch_threads() -> int:
     return conf.int_setting("OPENTINKER_TINKER_TORCH_THREADS", minimum=1)
 
@@ -150,7 +145,7 @@ class ModelWorker:
         if not held:
             return []
         close_old_connections()
-        gone = sessions.end_silent_sessions(held, session_timeout())
+        gone = sessions.end_silent_sessions(held, sessions.session_timeout())
         self.close_models(gone, "stopped heartbeating")
         return gone
 
