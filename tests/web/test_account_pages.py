@@ -250,6 +250,15 @@ def test_it_shows_the_gpu_pool_to_staff_only(
     page = login(staff).get(reverse("web:pool")).content.decode()
     assert "leads a gang of 2 nodes" in page
     assert "othernode: 0, 1; pagenode: 0, 1" in page or "pagenode: 0, 1; othernode: 0, 1" in page
+    # The queue says why each job waits: the model workers hold every GPU.
+    from jobs import services
+    from workers.dispatcher import dispatch_once
+
+    services.submit_job(team=team, user=owner, spec={"method": "smoke"}, name="queued-one")
+    assert dispatch_once(table) == []
+    page = login(staff).get(reverse("web:pool")).content.decode()
+    assert "queued-one" in page
+    assert "4 held by model workers, which give them back when idle" in page
 
 
 def _totp_code(secret: str) -> str:
