@@ -1,6 +1,5 @@
 """The OpenAI-compatible endpoints at the door: keys, model names, parameters and the queue
-limit, answered in OpenAI's error shape before anything reaches a model worker; and the text
-a stream releases as tokens arrive (stop strings held back, then cut).
+limit, answered in OpenAI's error shape before anything reaches a model worker.
 
 No worker runs here: the requests that pass the door are checked by what lands on the base
 model's stream (``tests/tinker_api/test_openai_live.py`` runs them for real).
@@ -545,30 +544,6 @@ def test_it_refuses_a_prompt_too_long_for_the_context_before_any_worker_tokenize
         assert error["param"] == param and error["code"] == "context_length_exceeded"
     assert "cannot fit" in error_of(chat)["message"]
     assert queued_ops(redis_client) == []
-
-
-def test_it_releases_streamed_text_only_once_it_is_final(base_model_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    from tinker_api.worker.textstream import TextStream
-
-    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
-    ids = tokenizer.encode("12+7=19. done", add_special_tokens=False)
-    plain = TextStream(tokenizer)
-    assert "".join(plain.push(t) for t in ids) + plain.finish() == "12+7=19. done"
-
-    stream = TextStream(tokenizer, stop=(". d",))
-    released = []
-    for t in ids:
-        released.append(stream.push(t))
-        if stream.stopped:
-            break
-    released.append(stream.finish())
-    # The text before the stop string, never the stop string nor anything after it.
-    assert "".join(released) == "12+7=19"
-    assert stream.stopped
-    # "." and ". " could begin the stop string: they were held back, not sent and retracted.
-    assert all(". " not in piece for piece in released)
 
 
 def test_it_limits_a_teams_requests_and_tokens_per_minute_by_its_quota(

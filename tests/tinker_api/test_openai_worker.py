@@ -1,6 +1,7 @@
 """The model worker's side of the OpenAI-style endpoints, driven directly: ``ChatHandler``
 on a real engine and real Redis, stepped as the worker loop steps it, read back through the
-request's event stream, as the web view reads it.
+request's event stream, as the web view reads it; and the text a stream releases as tokens
+arrive (stop strings held back, then cut).
 """
 
 from __future__ import annotations
@@ -371,3 +372,27 @@ def test_it_says_when_a_request_offers_tools_to_a_template_that_teaches_tool_cal
     # The tools went into the prompt.
     assert start["prompt_tokens"] > events_of(untaught)[0]["prompt_tokens"] + 20
     assert "tools" not in events_of(untaught)[0]
+
+
+def test_it_releases_streamed_text_only_once_it_is_final(base_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tinker_api.worker.textstream import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    ids = tokenizer.encode("12+7=19. done", add_special_tokens=False)
+    plain = TextStream(tokenizer)
+    assert "".join(plain.push(t) for t in ids) + plain.finish() == "12+7=19. done"
+
+    stream = TextStream(tokenizer, stop=(". d",))
+    released = []
+    for t in ids:
+        released.append(stream.push(t))
+        if stream.stopped:
+            break
+    released.append(stream.finish())
+    # The text before the stop string, never the stop string nor anything after it.
+    assert "".join(released) == "12+7=19"
+    assert stream.stopped
+    # "." and ". " could begin the stop string: they were held back, not sent and retracted.
+    assert all(". " not in piece for piece in released)
