@@ -513,7 +513,7 @@ def test_a_verl_job_across_two_nodes_trains_on_both_and_survives_losing_its_foll
     leader, follower = trainer(node="ray-a"), trainer(node="ray-b")
     spec = verl_spec(addition_dataset, steps=2, gpus=2, gpus_per_node=1, checkpoint_every=1)
     job_id = submit(owner_client, spec)
-    wait_for_checkpoint(job_id, 1)
+    wait_for_checkpoint(job_id, 1, leader)
     logs = leader.log()[-3000:] + follower.log()[-3000:]
     assert Job.objects.get(pk=job_id).state == JobState.RUNNING, logs
     beat = redis_client.get(f"ot:gang:{job_id}:1:member:1")
