@@ -366,6 +366,33 @@ def test_a_resumed_attempt_starts_after_the_last_checkpoint_with_stored_metrics(
     assert (ckpt / "global_step_2").is_dir() and not (ckpt / "global_step_4").exists()
 
 
+@pytest.mark.django_db
+def test_an_attempt_after_the_last_step_was_saved_only_exports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attempt that saved the last step lost its worker before it ended: verl, resumed
+    there, would train a step past the job's `steps`; the next attempt exports instead."""
+    spec = _spec(steps=4)
+    ctx = _ctx(tmp_path, spec)
+    ckpt = ctx.workdir / "verl" / "checkpoints"
+    (ckpt / "global_step_4" / "actor").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    verl_process.register_checkpoint(ctx, ckpt, 4)
+    exported: list[Path] = []
+
+    def trainer_ran(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("verl's trainer was started again")
+
+    monkeypatch.setattr(verl, "supervise", trainer_ran)
+    monkeypatch.setattr(verl, "export_final", lambda _c, _s, where, **_k: exported.append(where))
+    verl.run(ctx)
+    assert exported == [ckpt]
+    assert ctx.events[-1][0] == (
+        "verl trained all 4 steps in an earlier attempt: exporting global_step_4"
+    )
+    assert ctx.heartbeats[-1] == 4
+
+
 def test_the_next_attempt_kills_what_a_killed_worker_left_and_its_segments(
     tmp_path: Path,
 ) -> None:

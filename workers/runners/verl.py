@@ -348,6 +348,18 @@ def run(ctx: JobContext) -> None:
             cleaned,
         )
     resumed_from = resume_point(ctx, root / "checkpoints")
+    if resumed_from >= spec.steps:
+        # An earlier attempt trained every step and saved the last, then lost its worker (or
+        # a follower) before it ended: verl resumed there would train one step more than
+        # the job asks for. What is left is the export.
+        ctx.event(
+            f"verl trained all {spec.steps} steps in an earlier attempt: exporting "
+            f"global_step_{resumed_from}",
+            {"step": resumed_from},
+        )
+        ctx.heartbeat(resumed_from, force=True)
+        export_final(ctx, spec, root / "checkpoints", python=tool_python(), env=trainer_env(ctx))
+        return
     if resumed_from:
         # verl redoes the steps after its checkpoint; an earlier attempt's rows past it go.
         ctx.discard_metrics_after(resumed_from)
