@@ -505,13 +505,14 @@ def test_a_verl_job_across_two_nodes_trains_on_both_and_survives_losing_its_foll
 ) -> None:
     """`gpus: 2, gpus_per_node: 1` on two workers of one CPU slot each: the leader starts a
     Ray head, the follower's `join_job` joins it as a second node, verl trains with
-    `trainer.nnodes=2`. Once global_step_1 (of 2) is saved the follower's process is SIGKILLed: its
-    heartbeat stops, the leader requeues the attempt, the next one forms a new cluster and
-    resumes verl from its checkpoint. Afterwards no process of either node's Ray is left and
-    no slot is held."""
+    `trainer.nnodes=2`. Once global_step_1 (of 4) is saved the follower's process is
+    SIGKILLed: its heartbeat stops, the leader requeues the attempt, the next one forms a new
+    cluster and resumes verl from its checkpoint. (Of 2 steps, the leader's Ray could finish
+    and save the last before the lost heartbeat ends the attempt; the next one then only
+    exports.) Afterwards no process of either node's Ray is left and no slot is held."""
     segments_before = shm_segments()
     leader, follower = trainer(node="ray-a"), trainer(node="ray-b")
-    spec = verl_spec(addition_dataset, steps=2, gpus=2, gpus_per_node=1, checkpoint_every=1)
+    spec = verl_spec(addition_dataset, steps=4, gpus=2, gpus_per_node=1, checkpoint_every=1)
     job_id = submit(owner_client, spec)
     wait_for_checkpoint(job_id, 1, leader)
     logs = leader.log()[-3000:] + follower.log()[-3000:]
@@ -536,8 +537,8 @@ def test_a_verl_job_across_two_nodes_trains_on_both_and_survives_losing_its_foll
     assert any(m.startswith("verl resumes from global_step_") for m in messages), messages
     argv = [data["argv"] for message, data in events if message.startswith("verl on ")][-1]
     assert "trainer.nnodes=2" in argv and "trainer.n_gpus_per_node=1" in argv
-    check_series_and_checkpoints(owner_client, job_id, steps=2, saved=(1, 2), world=2)
-    adapter = download_artifact(owner_client, job_id, "adapter", tmp_path / "adapter", steps=2)
+    check_series_and_checkpoints(owner_client, job_id, steps=4, saved=(1, 2, 3, 4), world=2)
+    adapter = download_artifact(owner_client, job_id, "adapter", tmp_path / "adapter", steps=4)
     check_adapter(adapter, tiny_model_dir)
     assert_nothing_left(job_id, segments_before)
     wait_for(lambda: not job_processes(f"{job_id}.1"), 30, "the follower's Ray to be gone")
