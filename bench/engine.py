@@ -50,7 +50,7 @@ GROUP, GRPO_PROMPTS, GRPO_TOKENS = 8, 8, 16
 LR = 1e-4
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
+def median_time(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -66,8 +66,8 @@ def _interleaved(
     theirs()  # warm-up: allocator, kernels, lazy inits
     mine, base = [], []
     for _ in range(rounds):
-        mine.append(_median_time(ours, reps))
-        base.append(_median_time(theirs, reps))
+        mine.append(median_time(ours, reps))
+        base.append(median_time(theirs, reps))
     return statistics.median(mine), statistics.median(base)
 
 
@@ -183,7 +183,7 @@ def bench_pack(model_path: str, rounds: int) -> dict[str, float]:
         return run
 
     packed_s, padded_s = _interleaved(step(mixed, None), step(mixed, False), rounds, reps=1)
-    full_s = _median_time(step(full_rows, False), repeats=rounds)
+    full_s = median_time(step(full_rows, False), repeats=rounds)
     mixed_tokens = sum(PACK_LENGTHS)
     full_tokens = longest * layout.rows
     return {

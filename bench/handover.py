@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,6 +36,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
+from bench.engine import median_time
 from bench.mfu import batch, build_model
 from bench.report import write_section
 from training import ops
@@ -48,15 +46,6 @@ from training.types import AdamParams
 
 LORA_RANK = 16
 TITLE = "Model worker handover"
-
-
-def median_of(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(path: Path, full: bool, args: argparse.Namespace) -> dict[str, float]:
@@ -70,10 +59,10 @@ def measure(path: Path, full: bool, args: argparse.Namespace) -> dict[str, float
         ops.optim_step(policy, adam)
 
     step()  # warm-up, and the Adam moments a real state has
-    step_s = median_of(step, args.repeats)
+    step_s = median_time(step, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "live.pt"
-        leave_s = median_of(lambda: policy.save_state(state), args.repeats)
+        leave_s = median_time(lambda: policy.save_state(state), args.repeats)
         size = state.stat().st_size
         engine.remove_policy(policy.id)
 
@@ -84,7 +73,7 @@ def measure(path: Path, full: bool, args: argparse.Namespace) -> dict[str, float
             )
             taken.load_state(state)
 
-        take_s = median_of(take_up, args.repeats)
+        take_s = median_time(take_up, args.repeats)
     return {"step": step_s, "leave": leave_s, "size": size, "take": take_s}
 
 
