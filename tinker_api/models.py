@@ -89,6 +89,10 @@ class TrainingModel(models.Model):
         model's live state, so that the next worker takes it up where it was left."""
         return Path(settings.OPENTINKER_DATA_DIR) / f"tinker/{self.team_id}/{self.id}/live.pt"
 
+    def drop_spill(self) -> None:
+        """Delete the live state a model worker left, once no one will take it up."""
+        self.spill_path().unlink(missing_ok=True)
+
     def worker_config(self) -> dict[str, Any]:
         """What a model worker needs to build this model's policy (JSON)."""
         return {

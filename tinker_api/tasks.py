@@ -76,7 +76,8 @@ def serve_base_model(
         # Imported here: the model worker imports torch (see the module docstring).
         from tinker_api.worker.server import ModelWorker
 
-        worker = ModelWorker(base, base_path, lease_devices(table, node, gpus)[0], worker_id)
+        device = lease_devices(table, node, gpus)[0]
+        worker = ModelWorker(base, base_path, device, worker_id, node)
         heartbeat.on_lost = worker.stopping.set
         outcome = worker.serve()
         if outcome in ("idle", "yielded", "shutdown"):

@@ -22,6 +22,7 @@ id saved for revocation) and ``workers.tasks.run_job`` is sent to ``gpu.<node>``
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ PENDING_KEY = KEY_PREFIX + "pending"
 # Far longer than one pass; only bounds how long a crashed dispatcher blocks the next one.
 LOCK_TIMEOUT_SECONDS = 60
 # Set while a job waits for GPUs that model workers hold (renewed by every dispatch pass, the
-# reaper's included): model workers serving nothing then leave before their idle time is up.
+# reaper's included): a JSON list of the nodes where model workers serving nothing should
+# leave before their idle time is up, those where their GPUs would let the job start.
 JOBS_WAITING_KEY = KEY_PREFIX + "jobs-waiting"
 JOBS_WAITING_SECONDS = 30
 SCAN_LIMIT = 1000
@@ -179,7 +181,7 @@ def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None
 
     Every job left waiting gets a note saying why (``Job.queue_note``); while a job waits
     for GPUs that model workers hold, ``JOBS_WAITING_KEY`` is set, which tells those serving
-    nothing to give their blocks back early."""
+    nothing on the nodes where that would place it to give their blocks back early."""
     table = table or GpuLockTable(conf.get_redis())
     now = now or timezone.now()
     nodes = table.nodes()
@@ -222,6 +224,7 @@ def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None
             continue
         if _start(table, cand, lease):
             admitted.append(cand.job_id)
+    pool.publish()
     services.note_waiting(waiting)
     return admitted
 
@@ -238,25 +241,32 @@ class _Pool:
     def __init__(self, table: GpuLockTable) -> None:
         self.table = table
         self._live: list[dict[str, Any]] | None = None
-        self._starved = False
+        self._starved: set[str] = set()
 
     def live(self) -> list[dict[str, Any]]:
         if self._live is None:
             snap = self.table.snapshot()
-            self._live = [i for i in snap["nodes"].values() if i["alive"]]
+            self._live = [dict(i, name=name) for name, i in snap["nodes"].items() if i["alive"]]
             for info in self._live:
                 info["serving"] = sum(1 for h in info["held"].values() if not is_job_id(h))
         return self._live
 
     def starved(self, gpus: int, per_node: int | None) -> None:
-        """A job of ``gpus`` waits: tell idle model workers to leave when their GPUs would
-        let it start (on one node, the free ones and the model workers' together)."""
+        """A job of ``gpus`` waits: the nodes whose model workers should leave when idle are
+        those where the free GPUs and the model workers' together would hold the job (its
+        share of a node, for a gang). Jobs' GPUs are not counted: they leave when done."""
+        need = gpus if per_node is None else per_node
+        self._starved.update(
+            i["name"] for i in self.live() if i["serving"] and len(i["free"]) + i["serving"] >= need
+        )
+
+    def publish(self) -> None:
+        """Tell model workers on the starved nodes (``JOBS_WAITING_KEY``, renewed by every
+        pass that still finds them so; it lapses when none does)."""
         if self._starved:
-            return
-        if per_node is None and not any(len(i["free"]) + i["serving"] >= gpus for i in self.live()):
-            return  # jobs hold what it needs: model workers leaving would not place it
-        self._starved = True
-        self.table.redis.set(JOBS_WAITING_KEY, "1", ex=JOBS_WAITING_SECONDS)
+            self.table.redis.set(
+                JOBS_WAITING_KEY, json.dumps(sorted(self._starved)), ex=JOBS_WAITING_SECONDS
+            )
 
     def describe(self) -> str:
         live = self.live()

@@ -3,6 +3,7 @@ the nodes are announced directly, the tasks land in queues nobody consumes)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -92,8 +93,9 @@ def test_it_lets_small_jobs_backfill_while_a_big_one_waits(
         "waiting for 4 GPUs (2 of 4 free; 2 held by model workers, which give them back when idle)"
     )
     assert Job.objects.get(pk=small).queue_note == ""
-    # Model workers serving nothing are told that a job waits for GPUs.
+    # Model workers serving nothing on the node are told that a job waits for their GPUs.
     assert table.redis.ttl(dispatcher.JOBS_WAITING_KEY) > 0
+    assert json.loads(table.redis.get(dispatcher.JOBS_WAITING_KEY)) == ["n"]
 
 
 def test_it_stops_backfill_once_the_big_job_waited_past_the_window(
@@ -134,6 +136,33 @@ def test_it_reserves_nothing_for_a_job_no_live_node_can_hold(
     )
     # Only jobs the live nodes could hold keep idle model workers from their blocks.
     assert not table.redis.exists(dispatcher.JOBS_WAITING_KEY)
+
+
+def test_only_model_workers_whose_gpus_would_place_the_job_are_asked_to_leave(
+    table: GpuLockTable, offline_node: Any, team: Any, owner: Any
+) -> None:
+    offline_node("a", 2)
+    offline_node("b", 2)
+    offline_node("c", 2)
+    # a: a model worker and a job (the worker leaving frees 1 of the 2 the job needs);
+    # b: a model worker and a free GPU (its leaving places the job); c: two jobs.
+    for node, holders in (("a", ["model-a", str(uuid.uuid4())]), ("b", ["model-b"])):
+        table.refresh(node, ttl=60)
+        for holder in holders:
+            assert table.allocate(holder, 1, ttl=60) is not None
+        table.withdraw(node)
+    table.refresh("c", ttl=60)
+    assert table.allocate(str(uuid.uuid4()), 2, ttl=60) is not None
+    for node in ("a", "b"):
+        table.refresh(node, ttl=60)
+    job = queue_job(team, owner, gpus=2)
+    assert dispatch_once(table) == []
+    assert json.loads(table.redis.get(dispatcher.JOBS_WAITING_KEY)) == ["b"]
+    # A gang of 1 GPU a node would take a's freed GPU as well as b's.
+    Job.objects.filter(pk=job).delete()
+    queue_job(team, owner, gpus=3, per_node=1)
+    assert dispatch_once(table) == []
+    assert json.loads(table.redis.get(dispatcher.JOBS_WAITING_KEY)) == ["a", "b"]
 
 
 def test_model_workers_are_not_asked_to_leave_when_jobs_hold_what_a_job_waits_for(

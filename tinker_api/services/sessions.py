@@ -48,7 +48,7 @@ def finish_session(caller: Caller, session_id: str, req: s.SessionFinishRequest)
     for model in TrainingModel.objects.filter(session=row):
         by_base.setdefault(model.base_model, []).append(model.id)
         # The state a model worker left when it gave its block back serves no one now.
-        model.spill_path().unlink(missing_ok=True)
+        model.drop_spill()
     for base, models in by_base.items():
         # Only a running worker holds these models; none to start for a goodbye.
         current = futures.worker_of(base)
@@ -71,11 +71,7 @@ def end_silent_sessions(model_ids: Collection[str], timeout_seconds: int) -> lis
         "id", "session_id", "session__last_heartbeat", "session__finished_at"
     )
     silent = {sid for _m, sid, beat, done in rows if done is None and beat < cutoff}
-    TinkerSession.objects.filter(pk__in=silent, finished_at__isnull=True).update(
-        finished_at=timezone.now(),
-        finish_reason="interrupted",
-        finish_detail="no heartbeat",
-    )
+    _interrupt(silent)
     return [m for m, sid, _beat, done in rows if done is not None or sid in silent]
 
 
@@ -105,9 +101,14 @@ def end_abandoned_sessions(timeout_seconds: int) -> int:
             finished_at__isnull=True, last_heartbeat__lt=cutoff
         ).values_list("pk", flat=True)[:1000]
     )
-    ended = TinkerSession.objects.filter(pk__in=silent, finished_at__isnull=True).update(
+    ended = _interrupt(silent)
+    for model in TrainingModel.objects.filter(session_id__in=silent):
+        model.drop_spill()
+    return ended
+
+
+def _interrupt(session_ids: Collection[str]) -> int:
+    """End those of ``session_ids`` still open as interrupted (their client went silent)."""
+    return TinkerSession.objects.filter(pk__in=session_ids, finished_at__isnull=True).update(
         finished_at=timezone.now(), finish_reason="interrupted", finish_detail="no heartbeat"
     )
-    for model in TrainingModel.objects.filter(session_id__in=silent):
-        model.spill_path().unlink(missing_ok=True)
-    return ended

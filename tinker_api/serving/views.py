@@ -258,30 +258,32 @@ def _check_prompt_size(base: Any, op: dict[str, Any]) -> None:
     tokens than the context holds, and tokenizing megabytes would stall every stream the
     worker serves. Finer cases are the worker's (it counts the tokens)."""
     context = int(base.max_context or 0)
-    longest = base.longest_token_bytes() if context else None
-    if op["mode"] == "chat":
-        texts = [str(m.get("content") or "") for m in op["messages"]]
-        sizes = [("messages", sum(len(t.encode("utf-8", "surrogatepass")) for t in texts))]
-    else:
-        sizes = [
-            ("prompt", len(p.encode("utf-8", "surrogatepass")) if isinstance(p, str) else 0)
-            for p in op["prompts"]
-        ]
-        for p in op["prompts"]:
-            if not isinstance(p, str) and context and len(p) >= context:
-                raise ApiError(
-                    400,
-                    f"the prompt ({len(p)} tokens) fills {base.name}'s context of {context}",
-                    "prompt",
-                    "context_length_exceeded",
-                )
-    for param, size in sizes:
+    if not context:
+        return
+    longest = base.longest_token_bytes()
+
+    def check_text(param: str, size: int) -> None:
         if longest and size > longest * context:
             raise ApiError(
                 400,
                 f"the {param} ({size} bytes of text) cannot fit {base.name}'s context of "
                 f"{context} tokens (a token spells at most {longest} bytes)",
                 param,
+                "context_length_exceeded",
+            )
+
+    if op["mode"] == "chat":
+        texts = (str(m.get("content") or "") for m in op["messages"])
+        check_text("messages", sum(len(t.encode("utf-8", "surrogatepass")) for t in texts))
+        return
+    for p in op["prompts"]:
+        if isinstance(p, str):
+            check_text("prompt", len(p.encode("utf-8", "surrogatepass")))
+        elif len(p) >= context:
+            raise ApiError(
+                400,
+                f"the prompt ({len(p)} tokens) fills {base.name}'s context of {context}",
+                "prompt",
                 "context_length_exceeded",
             )
 

@@ -82,7 +82,7 @@ class Policies(Mapping[str, Policy]):
         self.remove(model_id)
         row = TrainingModel.objects.filter(pk=model_id).first()
         if row is not None:
-            row.spill_path().unlink(missing_ok=True)
+            row.drop_spill()
 
     def _rebuild(self, model_id: str) -> Policy:
         row = TrainingModel.objects.filter(pk=model_id).first()

@@ -60,18 +60,23 @@ def gather_seconds(device: str) -> float:
     return conf.int_setting("OPENTINKER_TINKER_GATHER_MS", minimum=0) / 1000.0
 
 
-def jobs_waiting() -> bool:
-    return bool(conf.get_redis().exists(JOBS_WAITING_KEY))
+def jobs_waiting(node: str) -> bool:
+    """Whether a queued job waits for GPUs that this node's model workers hold."""
+    raw = conf.get_redis().get(JOBS_WAITING_KEY)
+    return raw is not None and node in json.loads(raw)
 
 
 class ModelWorker:
     """Serves every model of one base model from one ``Engine``."""
 
-    def __init__(self, base: str, base_path: str, device: str, worker_id: str) -> None:
+    def __init__(
+        self, base: str, base_path: str, device: str, worker_id: str, node: str = ""
+    ) -> None:
         if device == "cpu":
             torch.set_num_threads(torch_threads())
         self.base = base
         self.worker_id = worker_id
+        self.node = node
         self.engine = Engine(base_path, device=device)
         self.policies = Policies(self.engine)
         self.samplers = SamplerCache(self.engine)
@@ -251,6 +256,6 @@ class ModelWorker:
             quiet_for = time.monotonic() - self.last_activity if quiet else 0.0
             if quiet_for > idle:
                 return "idle"
-            if checking and quiet_for > early and jobs_waiting():
+            if checking and quiet_for > early and jobs_waiting(self.node):
                 return "yielded"
         return "stopped"
