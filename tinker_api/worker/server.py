@@ -63,7 +63,14 @@ def gather_seconds(device: str) -> float:
 def jobs_waiting(node: str) -> bool:
     """Whether a queued job waits for GPUs that this node's model workers hold."""
     raw = conf.get_redis().get(JOBS_WAITING_KEY)
-    return raw is not None and node in json.loads(raw)
+    if raw is None:
+        return False
+    try:
+        nodes = json.loads(raw)
+    except ValueError:
+        nodes = None
+    # A dispatcher of an earlier release sets "1" for the whole pool.
+    return node in nodes if isinstance(nodes, list) else True
 
 
 class ModelWorker:
