@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from training.lora import LoRAHost
 
 
+# Cache columns a prefill leaves for decoding before the cache must grow.
+INITIAL_ROOM = 256
+
+
 class StepToken(NamedTuple):
     """One token a row received in one decode step."""
 
@@ -154,7 +158,9 @@ class ContinuousBatch:
             mask_U_L[i, width - len(prompt) :] = 1
         ids_U_L, mask_U_L = ids_U_L.to(self.device), mask_U_L.to(self.device)
         positions_U_L = (mask_U_L.cumsum(-1) - 1).clamp(min=0)
-        capacity = width + max(r.params.max_tokens for r in rows)
+        # Room for the first tokens only: the cache grows (doubling) as rows keep decoding, so
+        # a row allowed the rest of a long context costs that memory only if it uses it.
+        capacity = width + min(INITIAL_ROOM, max(r.params.max_tokens for r in rows))
         logits, state = self.decoder.prefill(
             ids_U_L, mask_U_L, positions_U_L, [k for _, k in unique], capacity
         )

@@ -418,14 +418,30 @@ class FusedDecoder:
         with _route(self.host, keys_B):
             return self._step(tokens_B, positions_B, state)
 
+    def _make_room(self, state: KVCache, x: torch.Tensor) -> None:
+        """A column, and rotary tables, for the token at ``state.length``. A row's position
+        never exceeds its column (its tokens are contiguous and end there), so tables as
+        long as the cache cover every row; a cache merged from joins may be longer than the
+        tables its prefills made."""
+        # Doubling: each column is copied a bounded number of times on average.
+        grow = state.length >= state.capacity
+        capacity = 2 * state.capacity if grow else state.capacity
+        positions = torch.arange(capacity, device=x.device).unsqueeze(0)
+        cos_T_D, sin_T_D = self.inner.rotary_emb(x, positions)
+        cos_T_D, sin_T_D = cos_T_D[0].to(x.dtype), sin_T_D[0].to(x.dtype)
+        if grow:
+            state.grow(capacity, cos_T_D, sin_T_D)
+        else:
+            state.cos_T_D, state.sin_T_D = cos_T_D, sin_T_D
+
     def _step(
         self, tokens_B: torch.Tensor, positions_B: torch.Tensor, state: KVCache
     ) -> torch.Tensor:
         batch = tokens_B.shape[0]
         t = state.length
-        if t >= state.capacity:
-            raise RuntimeError(f"decode past the cache capacity ({state.capacity})")
         x = self.inner.embed_tokens(tokens_B.unsqueeze(-1))  # (B, 1, H)
+        if t >= state.capacity or t >= state.cos_T_D.shape[0]:
+            self._make_room(state, x)
         cos = state.cos_T_D[positions_B][:, None, None, :]  # (B, 1, 1, D)
         sin = state.sin_T_D[positions_B][:, None, None, :]
         # Additive mask (0 or -inf) for the B * kv_heads attention rows: (B * kv, group, t+1).

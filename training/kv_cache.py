@@ -172,6 +172,23 @@ class KVCache:
         self.replace(merged[0], merged[1], bias, total)
         self.length = length
 
+    def grow(self, capacity: int, cos_T_D: torch.Tensor, sin_T_D: torch.Tensor) -> None:
+        """Room for ``capacity`` columns (rotary tables as long): the rows' written columns
+        and padding move to larger stores. A batch starts with room for its first tokens
+        only and grows as rows keep decoding, so that a request that may run to the end of
+        a long context holds that memory only if it gets there."""
+        rows, end = self.rows, self.length
+        stores = []
+        for store in (self.key_store, self.value_store):
+            layers, slots, kv_heads, _, head_dim = store.shape
+            larger = store.new_empty((layers, slots, kv_heads, capacity, head_dim))
+            larger[:, :rows, :, :end] = store[:, :rows, :, :end]
+            stores.append(larger)
+        bias = self.bias_store.new_zeros((self.bias_store.shape[0], capacity))
+        bias[:rows, :end] = self.bias_store[:rows, :end]
+        self.cos_T_D, self.sin_T_D = cos_T_D, sin_T_D
+        self.replace(stores[0], stores[1], bias, rows)
+
     def trim(self, start: int) -> None:
         """Drop the cache columns left of ``start``, which no row attends to."""
         rows, end = self.rows, self.length

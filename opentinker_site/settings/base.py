@@ -232,6 +232,15 @@ OPENTINKER_OPENAI_TEAM_CONCURRENCY = read_int("OPENTINKER_OPENAI_TEAM_CONCURRENC
 OPENTINKER_OPENAI_STREAM_INTERVAL_MS = read_int(
     "OPENTINKER_OPENAI_STREAM_INTERVAL_MS", 50, minimum=0, maximum=1000
 )
+# Browser origins allowed to call /v1 (a chat UI that runs in the browser): "*" or a list
+# such as "https://chat.example.org". Empty (the default): no CORS headers, preflights 405.
+# /v1 authenticates by Bearer key, never by cookie, so no credentials are allowed either way.
+OPENTINKER_OPENAI_CORS_ORIGINS: list[str] = env.list("OPENTINKER_OPENAI_CORS_ORIGINS", default=[])
+# A chat request that names no max_tokens may generate this many tokens at most; 0 (OpenAI's
+# default): the rest of the base model's context.
+OPENTINKER_OPENAI_DEFAULT_MAX_TOKENS = read_int(
+    "OPENTINKER_OPENAI_DEFAULT_MAX_TOKENS", 0, minimum=0
+)
 OPENTINKER_TINKER_LONG_POLL_SECONDS = read_int(
     "OPENTINKER_TINKER_LONG_POLL_SECONDS", 10, minimum=0, maximum=300
 )
@@ -408,7 +417,7 @@ REST_FRAMEWORK = {
     # no nesting, so an empty form field would pass for a missing value.
     "DEFAULT_PARSER_CLASSES": ["accounts.parsers.DepthLimitedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
-        "rest_framework.renderers.JSONRenderer",
+        "accounts.renderers.SurrogateSafeJSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",

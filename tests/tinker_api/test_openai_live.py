@@ -144,7 +144,11 @@ def test_it_answers_chat_and_completions_streaming_and_not(
     assert greedy.object == "text_completion"
     lp = choice.logprobs
     assert lp is not None and len(lp.tokens) == greedy.usage.completion_tokens
+    # The entries spell the text, and a special token ending it adds no offset.
+    assert "".join(t for t in lp.tokens if t != "<|im_end|>") == choice.text
+    assert lp.text_offset[-1] <= len(choice.text)
     assert all(x <= 0.0 for x in lp.token_logprobs)
+    # Up to 3 alternatives and the chosen token (here always among them: greedy).
     assert all(len(top) <= 3 for top in lp.top_logprobs)
     # Greedy: the chosen token is the most likely one at every position.
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -327,7 +331,8 @@ def test_it_streams_while_generating_and_a_client_that_hangs_up_frees_its_slot(
     with pytest.raises(openai.RateLimitError) as exc:
         api.chat.completions.create(model=BASE_NAME, messages=QUESTION, max_tokens=2)
     assert exc.value.response.headers["retry-after"] == "1"
-    assert exc.value.body["type"] == "rate_limit_exceeded"
+    assert exc.value.body["type"] == "requests"
+    assert exc.value.body["code"] == "rate_limit_exceeded"
     stream.close()
 
     deadline = time.monotonic() + 30

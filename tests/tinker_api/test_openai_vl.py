@@ -79,4 +79,4 @@ def test_it_serves_chat_and_completions_on_a_vision_language_base_model(
     with pytest.raises(openai.BadRequestError) as too_long:
         api.chat.completions.create(model=VL_NAME, messages=QUESTION, max_tokens=1500)
     assert too_long.value.body["code"] == "context_length_exceeded"
-    assert "context of 1024 tokens" in too_long.value.body["message"]
+    assert "maximum context length is 1024 tokens" in too_long.value.body["message"]

@@ -253,3 +253,18 @@ def test_rows_of_several_adapters_joining_and_leaving_at_random_get_what_they_ge
             assert got[ident] == alone.tokens[: len(got[ident])], ident
         else:
             assert got[ident] == alone.tokens, ident
+
+
+def test_rows_that_decode_past_the_caches_first_room_get_what_they_get_alone(
+    tiny_model, tiny_tokenizer, monkeypatch
+):
+    # The cache starts with room for 6 tokens and grows (twice, for 30) as rows decode.
+    monkeypatch.setattr("training.continuous.INITIAL_ROOM", 6)
+    rows = [
+        Row(p, SamplingParams(max_tokens=m, temperature=1.0, seed=s), stop_on_eos=False)
+        for p, m, s in zip(PROMPTS, [30, 4, 25, 9], [1, 2, 3, 4], strict=True)
+    ]
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    got = _run(batch, {0: rows[:2], 5: [rows[2]], 12: [rows[3]]})
+    for ident, row in enumerate(rows):
+        assert got[ident] == _alone(tiny_model, tiny_tokenizer, row), ident

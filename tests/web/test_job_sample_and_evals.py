@@ -159,7 +159,7 @@ def test_it_shows_eval_results_and_samples_from_a_finished_rl_job(
     too_long = client.post(sample_url, chat | {"prompt": "1" * 5000, "max_tokens": "256"})
     assert too_long.status_code == 400
     # The model worker measured the prompt with the base model's tokenizer.
-    assert "context of 1024" in too_long.context["sample_form"].errors["prompt"][0]
+    assert "maximum context length is 1024" in too_long.context["sample_form"].errors["prompt"][0]
     assert 'id="id_prompt_errors"' in too_long.content.decode()
     in_box = client.post(sample_url, params | {"temperature": "-1"}, **HTMX)
     assert in_box.status_code == 200 and 'id="id_temperature_errors"' in in_box.content.decode()

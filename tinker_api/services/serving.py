@@ -229,13 +229,18 @@ def submit(caller: Caller, served: Served, op: dict[str, Any], *, hold_seconds: 
     has its limit of requests in flight, or the base model's queue is full. The request
     counts against its team until ``finish`` (or ``hold_seconds``, if that never comes)."""
     request_id = futures.new_request_id()
-    _take_rate(caller)
     limit = team_concurrency()
     if not events.take_slot(caller.team_id, request_id, limit, hold_seconds):
         raise Busy(
             f"your team has {limit} requests in flight (OPENTINKER_OPENAI_TEAM_CONCURRENCY); "
             "retry when one ends"
         )
+    # After the concurrency slot: a request refused for concurrency spends no quota.
+    try:
+        _take_rate(caller)
+    except Busy:
+        events.release_slot(caller.team_id, request_id)
+        raise
     if futures.queued_samples(served.base.name) >= sample_queue_limit():
         events.release_slot(caller.team_id, request_id)
         raise Busy(f"the queue of base model {served.base.name} is full; retry shortly")

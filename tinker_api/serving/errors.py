@@ -19,7 +19,8 @@ TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
-    429: "rate_limit_exceeded",
+    # OpenAI's type for a limit on requests (its code is rate_limit_exceeded).
+    429: "requests",
     500: "server_error",
     503: "server_error",
 }

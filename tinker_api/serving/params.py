@@ -1,10 +1,12 @@
 """OpenAI request bodies: validated here, at the door, into the op a model worker runs.
 
-Field names, ranges and defaults follow OpenAI's API reference. What the engine cannot do
-(JSON mode, ``echo``, ``suffix``, images) is refused with a 400 naming the parameter rather
-than silently ignored; fields that only describe the caller (``user``, ``metadata``,
-``store``) are accepted and ignored. An unknown field is a 400, as OpenAI does. Types are
-strict, as OpenAI's are: ``"2"``, ``true`` or ``2.0`` is no integer, ``"yes"`` no boolean.
+Field names, ranges and defaults follow OpenAI's API reference; ``null`` means the default
+wherever OpenAI allows it. What the engine cannot do (JSON mode, ``suffix``, images, audio,
+predicted outputs, web search) is refused with a 400 naming the parameter rather than
+silently ignored; fields that only describe the caller or tune OpenAI's own service
+(``user``, ``metadata``, ``store``, ``prompt_cache_key`` ...) are accepted and ignored. An
+unknown field is a 400, as OpenAI does. Types are strict, as OpenAI's are: ``"2"``, ``true``
+or ``2.0`` is no integer, ``"yes"`` no boolean; NaN and Infinity are not JSON.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None
     include_obfuscation: bool | None = None
 
 
@@ -60,11 +62,12 @@ class Message(BaseModel):
 
 class _Common(_Strict):
     model: str = Field(min_length=1)
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # 0 is greedy decoding (only the most likely token is left), as OpenAI reads it.
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int | None = Field(None, ge=1)
@@ -75,8 +78,11 @@ class _Common(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extension: decode to max_tokens through end-of-sequence tokens (benchmarks).
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
 
 
 class ChatRequest(_Common):
@@ -90,10 +96,29 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # Known to OpenAI, refused by name in chat_op (UNSUPPORTED): not "unrecognized".
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+
+# Chat parameters OpenAI knows that this server refuses, and why.
+UNSUPPORTED = {
+    "functions": "functions (deprecated by OpenAI) is not supported: give its schemas as tools",
+    "function_call": "function_call (deprecated by OpenAI) is not supported: use tools",
+    "audio": "audio output is not supported by this server (it is text-only)",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with echo scores the prompt without generating (lm-eval's loglikelihood requests).
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
@@ -185,9 +210,14 @@ def _check_strings(data: Any) -> None:
             todo.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN, Infinity and -Infinity, which JSON does not have.
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _parse(model: type[_Common], body: bytes) -> Any:
     try:
-        data = json.loads(body or b"null", parse_int=_int)
+        data = json.loads(body or b"null", parse_int=_int, parse_constant=_no_constant)
     except _NumberTooLong as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
@@ -247,13 +277,17 @@ def _stop(req: _Common) -> list[str]:
 
 def _params(req: _Common, max_tokens: int | None) -> dict[str, Any]:
     temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if top_p == 0.0:
+        # Nothing but the most likely token is left: greedy, whatever the temperature.
+        temperature, top_p = 0.0, 1.0
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": top_p,
         "seed": req.seed,
         "stop": _stop(req),
-        "ignore_eos": req.ignore_eos,
+        "ignore_eos": bool(req.ignore_eos),
         "frequency_penalty": float(req.frequency_penalty or 0.0),
         "presence_penalty": float(req.presence_penalty or 0.0),
         "logit_bias": _logit_bias(req),
@@ -294,9 +328,30 @@ def _check_stream(req: _Common) -> None:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
 
 
+def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI sends a call's arguments as a JSON string; chat templates (and transformers'
+    docs) take them as an object, and a Hermes-style template writes ``arguments | tojson``,
+    which would quote the string once more. Arguments that are not a JSON object stay text."""
+    out = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                parsed = json.loads(function["arguments"], parse_constant=_no_constant)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        out.append(call)
+    return out
+
+
 def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     req = _parse(ChatRequest, body)
     _check_stream(req)
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name) is not None:
+            raise ApiError(400, why, name)
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise ApiError(
@@ -314,13 +369,15 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         # Chat templates know system, not OpenAI's newer "developer".
         rendered["role"] = "system" if m.role == "developer" else m.role
         rendered["content"] = _text(m.content, f"messages[{i}]")
+        if m.tool_calls:
+            rendered["tool_calls"] = _tool_calls(m.tool_calls)
         messages.append(rendered)
     op = {
         "mode": "chat",
         "messages": messages,
         "tools": req.tools,
-        "n": req.n,
-        "stream": req.stream,
+        "n": req.n or 1,
+        "stream": bool(req.stream),
         "logprobs": bool(req.logprobs),
         "top_logprobs": int(req.top_logprobs or 0),
         "params": _params(req, req.max_completion_tokens or req.max_tokens),
@@ -331,11 +388,10 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
 def completion_op(body: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
     req = _parse(CompletionRequest, body)
     _check_stream(req)
-    if req.echo:
-        raise ApiError(400, "echo is not supported by this server", "echo")
     if req.suffix:
         raise ApiError(400, "suffix is not supported by this server", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
         raise ApiError(400, "best_of is not supported by this server (only best_of = n)", "best_of")
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -346,13 +402,14 @@ def completion_op(body: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
         prompts = list(prompt)
     if not prompts:
         raise ApiError(400, "prompt must not be empty", "prompt")
-    if len(prompts) * req.n > MAX_CHOICES or len(prompts) > MAX_PROMPTS:
+    if len(prompts) * n > MAX_CHOICES or len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", "prompt")
     op = {
         "mode": "completion",
         "prompts": prompts,
-        "n": req.n,
-        "stream": req.stream,
+        "n": n,
+        "stream": bool(req.stream),
+        "echo": bool(req.echo),
         "logprobs": req.logprobs is not None,
         "top_logprobs": int(req.logprobs or 0),
         "params": _params(req, COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens),

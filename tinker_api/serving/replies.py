@@ -24,6 +24,17 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
+def _top(entry: dict[str, Any]) -> dict[str, float] | None:
+    """The legacy form's alternatives: up to logprobs + 1 of them, the chosen token always
+    among them (as OpenAI answers); None for an echoed prompt's first token."""
+    if entry["top_logprobs"] is None:
+        return None
+    top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+    if entry["top_logprobs"] and entry["token"] not in top:
+        top[entry["token"]] = entry["logprob"]
+    return top
+
+
 class Answer:
     def __init__(
         self,
@@ -77,13 +88,13 @@ class Answer:
         offsets = []
         for e in entries:
             offsets.append(self.offsets[index])
-            self.offsets[index] += len(e["token"])
+            # A special token (generated through ignore_eos) is not in the text.
+            if not e.get("special"):
+                self.offsets[index] += len(e["token"])
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [
-                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
-            ],
+            "top_logprobs": [_top(e) for e in entries],
             "text_offset": offsets,
         }
 
@@ -92,7 +103,8 @@ class Answer:
             return None
         if self.kind == "completion":
             return self._completion_logprobs(index, entries)
-        return {"content": entries, "refusal": None}
+        content = [{k: v for k, v in e.items() if k != "special"} for e in entries]
+        return {"content": content, "refusal": None}
 
     def _chunk(
         self,

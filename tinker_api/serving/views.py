@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.exceptions import AuthenticationFailed
@@ -44,14 +45,66 @@ SILENCE_SECONDS = 600.0
 HOLD_SECONDS = 1800.0
 
 
+# What a browser may read of an answer besides the simple headers.
+CORS_EXPOSED = "x-request-id, Retry-After, x-ratelimit-limit-requests, " + (
+    "x-ratelimit-remaining-requests, x-ratelimit-reset-requests, x-ratelimit-limit-tokens, "
+    "x-ratelimit-remaining-tokens, x-ratelimit-reset-tokens"
+)
+
+
+def _cors_origin(request: HttpRequest) -> str | None:
+    """The Access-Control-Allow-Origin for this request's Origin, if that origin is allowed
+    (``OPENTINKER_OPENAI_CORS_ORIGINS``)."""
+    origin = request.headers.get("Origin")
+    allowed = settings.OPENTINKER_OPENAI_CORS_ORIGINS
+    if not origin or not allowed:
+        return None
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
+def _preflight(request: HttpRequest, methods: tuple[str, ...]) -> HttpResponse | None:
+    origin = _cors_origin(request)
+    if request.method != "OPTIONS" or origin is None:
+        return None
+    response = HttpResponse(status=204)
+    response["Access-Control-Allow-Methods"] = ", ".join((*methods, "OPTIONS"))
+    response["Access-Control-Allow-Headers"] = request.headers.get(
+        "Access-Control-Request-Headers", "Authorization, Content-Type"
+    )
+    response["Access-Control-Max-Age"] = "600"
+    return response
+
+
+def _with_cors(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    origin = _cors_origin(request)
+    if origin is not None:
+        response["Access-Control-Allow-Origin"] = origin
+        response["Access-Control-Expose-Headers"] = CORS_EXPOSED
+        if origin != "*":
+            response["Vary"] = "Origin"
+    return response
+
+
 def endpoint(*methods: str) -> Callable[..., Any]:
     def decorate(fn: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
         @csrf_exempt
         @wraps(fn)
         def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            return _with_cors(request, answer(request, *args, **kwargs))
+
+        def answer(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            preflight = _preflight(request, methods)
+            if preflight is not None:
+                return preflight
             try:
                 if request.method not in methods:
-                    raise ApiError(405, f"method {request.method} not allowed")
+                    raise ApiError(
+                        405,
+                        f"method {request.method} not allowed",
+                        headers={"Allow": ", ".join(methods)},
+                    )
                 try:
                     found = ApiKeyAuthentication().authenticate(request)  # type: ignore[arg-type]
                 except AuthenticationFailed as exc:
@@ -155,7 +208,7 @@ def _body(request: HttpRequest) -> bytes:
 
 def _error_of(event: dict[str, Any]) -> ApiError:
     status = int(event.get("status") or 500)
-    code = "context_length_exceeded" if event.get("param") == "max_tokens" else None
+    code = event.get("code")
     message = str(event.get("message", "the request failed"))
     return ApiError(status, message, event.get("param"), code)
 
@@ -300,7 +353,7 @@ def _answer(
         kind,
         rid,
         req.model,
-        req.n * len(op.get("prompts") or [None]),
+        op["n"] * len(op.get("prompts") or [None]),
         logprobs=bool(op["logprobs"]),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
     )
@@ -316,6 +369,7 @@ def _answer(
         response["Cache-Control"] = "no-cache"
         # Proxies (nginx) would otherwise buffer the stream into one late answer.
         response["X-Accel-Buffering"] = "no"
+        response["x-request-id"] = rid
         return response
     for event in stream:
         if event is None:
@@ -328,7 +382,10 @@ def _answer(
             break
     events.discard(rid)
     release(_total_tokens(answer.usage))
-    return JsonResponse(answer.body())
+    response = JsonResponse(answer.body())
+    # The openai client exposes it as `_request_id`: the id this server's logs know.
+    response["x-request-id"] = rid
+    return response
 
 
 @endpoint("POST")

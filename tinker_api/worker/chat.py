@@ -27,18 +27,21 @@ from tinker_api.serving.toolcalls import TOOL_CALL_OPEN
 from tinker_api.worker.requests import Op, RequestError, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.textstream import TextStream
+from tinker_api.worker.token_text import TokenText
 from training.continuous import ContinuousBatch, Row, StepToken
 from training.engine import Engine
 from training.policy import Policy
 from training.sampler import default_stop_ids
+from training.scoring import PromptScoring, score_prompts
 from training.types import SamplingParams
 from workers import conf
 
 log = logging.getLogger(__name__)
 
-# The default completion length when a request names none (OpenAI's is "the rest of the
-# context", which on a long-context model would hold the batch for minutes).
-DEFAULT_MAX_TOKENS = 256
+
+CONTEXT_EXCEEDED = "context_length_exceeded"
+# A request without max_tokens, on a model whose config names no context length.
+FALLBACK_MAX_TOKENS = 4096
 
 
 class Stopped(RuntimeError):
@@ -48,9 +51,10 @@ class Stopped(RuntimeError):
 class BadRequest(RequestError):
     """A request the client must change: answered 400 naming ``param``."""
 
-    def __init__(self, message: str, param: str | None) -> None:
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(eq=False)
@@ -66,6 +70,27 @@ class Choice:
     unsent: str = ""
     # Logprob entries not yet published (all of them, for a request that does not stream).
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # Entries of tokens whose text is not released yet (`TextStream.covered`), and how many
+    # entries have moved on to ``logprobs``.
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    entries_out: int = 0
+
+    def release_entries(self) -> None:
+        """Move the entries of the tokens the released text spells to ``logprobs``: the
+        entries a client gets spell its text, no more."""
+        ready = self.pending[: self.text.covered - self.entries_out]
+        if ready:
+            self.logprobs.extend(ready)
+            del self.pending[: len(ready)]
+            self.entries_out += len(ready)
+
+
+@dataclass
+class Echo:
+    """An echoed prompt: its text and logprob entries, which come before the choice's own."""
+
+    text: str
+    entries: list[dict[str, Any]]
 
 
 @dataclass(eq=False)
@@ -82,6 +107,10 @@ class Running:
     @property
     def rid(self) -> str:
         return self.op.rid
+
+    @property
+    def chat(self) -> bool:
+        return self.op.fields.get("mode") == "chat"
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.tokens for c in self.choices)
@@ -102,7 +131,7 @@ class ChatHandler:
         self.samplers = samplers
         self.tokenizer: Any = engine.tokenizer
         self.eos = set(default_stop_ids(engine.model, engine.tokenizer))
-        self._token_text: dict[int, str] = {}
+        self.token_text = TokenText(engine.tokenizer)
         self.batch = ContinuousBatch(engine.model, engine.tokenizer, engine.host)
         # Row id -> the request and choice it generates; the requests in the batch; requests
         # read while a batch that cannot take new rows runs (a model without a joining
@@ -158,7 +187,9 @@ class ChatHandler:
             prompts = []
             for p in f["prompts"]:
                 if isinstance(p, str):
-                    prompts.append(list(self.tokenizer.encode(p)))
+                    # An empty text is continued from the start of a document, as OpenAI
+                    # does (its <|endoftext|>): the tokenizer's BOS, else its EOS.
+                    prompts.append(list(self.tokenizer.encode(p)) or self._document_start())
                 else:
                     ids = [int(t) for t in p]
                     if any(not 0 <= t < vocab for t in ids):
@@ -171,49 +202,72 @@ class ChatHandler:
         asked = f["params"].get("max_tokens")
         for p in prompts:
             room = context - len(p) if context else None
+            # OpenAI's wording ("maximum context length") and code: what clients that trim
+            # and retry look for.
             if room is not None and room < 1:
                 raise BadRequest(
-                    f"the prompt ({len(p)} tokens) fills {self.base}'s context of {context}", where
+                    f"{self.base}'s maximum context length is {context} tokens; the prompt "
+                    f"has {len(p)}",
+                    where,
+                    CONTEXT_EXCEEDED,
                 )
             if asked is not None and room is not None and asked > room:
                 raise BadRequest(
-                    f"prompt ({len(p)} tokens) + max_tokens ({asked}) exceed {self.base}'s "
-                    f"context of {context} tokens",
+                    f"{self.base}'s maximum context length is {context} tokens; the prompt "
+                    f"({len(p)} tokens) and max_tokens ({asked}) ask for {len(p) + asked}",
                     "max_tokens",
+                    CONTEXT_EXCEEDED,
                 )
         return prompts
+
+    def _document_start(self) -> list[int]:
+        for token in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id):
+            if token is not None:
+                return [int(token)]
+        return []
 
     def _max_tokens(self, op: Op, prompt: list[int]) -> int:
         asked = op.fields["params"].get("max_tokens")
         if asked is not None:
             return int(asked)
+        # OpenAI's default is the rest of the context; an operator of long-context models may
+        # cap it (a row decoding to 128k tokens holds a batch's slot for a long time).
+        cap = conf.int_setting("OPENTINKER_OPENAI_DEFAULT_MAX_TOKENS", minimum=0)
         context = self._context(op)
-        room = context - len(prompt) if context else DEFAULT_MAX_TOKENS
-        return max(1, min(DEFAULT_MAX_TOKENS, room))
+        room = context - len(prompt) if context else (cap or FALLBACK_MAX_TOKENS)
+        return max(1, min(room, cap) if cap else room)
 
     # ------------------------------------------------------------------ logprobs
 
-    def _text_of(self, token: int) -> str:
-        text = self._token_text.get(token)
-        if text is None:
-            text = self.tokenizer.decode([token], skip_special_tokens=False)
-            self._token_text[token] = text
-        return text
-
     def _entry(self, step: StepToken, top: int) -> dict[str, Any]:
-        text = self._text_of(step.token)
-        entry: dict[str, Any] = {
-            "token": text,
-            "logprob": step.logprob,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [],
-        }
-        for token, logprob in (step.topk or [])[:top]:
-            alt = self._text_of(int(token))
-            entry["top_logprobs"].append(
-                {"token": alt, "logprob": logprob, "bytes": list(alt.encode("utf-8"))}
+        alternatives = [(int(t), lp) for t, lp in (step.topk or [])[:top]]
+        return self.token_text.entry(step.token, step.logprob, alternatives)
+
+    def _echo(self, op: Op, prompts: list[list[int]], key: str | None) -> list[Echo]:
+        """``echo``: each prompt's text and, with logprobs, an entry per prompt token (the
+        first has no logprob: nothing precedes it), from one scoring forward pass."""
+        f = op.fields
+        top = int(f.get("top_logprobs") or 0)
+        scores = (
+            score_prompts(
+                self.engine.model,
+                [PromptScoring(tokens=p, adapter=key, logprobs=True, topk=top) for p in prompts],
+                host=self.engine.host,
             )
-        return entry
+            if f.get("logprobs")
+            else [None] * len(prompts)
+        )
+        out = []
+        for given, prompt, score in zip(f["prompts"], prompts, scores, strict=True):
+            text = given if isinstance(given, str) else self.tokenizer.decode(prompt)
+            entries = []
+            if score is not None:
+                lps, tops = score.logprobs or [], score.topk or []
+                for i, token in enumerate(prompt):
+                    top_i = None if i == 0 else (tops[i] if tops else [])
+                    entries.append(self.token_text.entry(token, lps[i], top_i, in_text=True))
+            out.append(Echo(text, entries))
+        return out
 
     # ------------------------------------------------------------------ the batch
 
@@ -227,7 +281,13 @@ class ChatHandler:
 
     def _refuse(self, op: Op, exc: Exception) -> None:
         if isinstance(exc, BadRequest):
-            event = {"t": "error", "status": 400, "message": str(exc), "param": exc.param}
+            event = {
+                "t": "error",
+                "status": 400,
+                "message": str(exc),
+                "param": exc.param,
+                "code": exc.code,
+            }
         elif isinstance(exc, RequestError):
             event = {"t": "error", "status": 400, "message": str(exc), "param": "model"}
         elif isinstance(exc, Stopped):
@@ -266,16 +326,35 @@ class ChatHandler:
             return
         rows = [row for _run, run_rows in admitted for row in run_rows]
         try:
-            idents = self.batch.add(rows)
+            idents = self.batch.add(rows) if rows else []
         except Exception as exc:
             log.exception("chat prefill failed")
             for run, _rows in admitted:
                 self._refuse(run.op, exc)
             return
-        choices = [(run, choice) for run, _rows in admitted for choice in run.choices]
+        choices = [(run, c) for run, _rows in admitted for c in run.choices if not c.finished]
         self.owner.update(zip(idents, choices, strict=True))
-        self.runs.extend(run for run, _rows in admitted)
+        self.runs.extend(run for run, run_rows in admitted if run_rows)
         events.publish([(run.rid, self._start(run)) for run, _ in admitted])
+        # Requests with nothing to generate (max_tokens 0) are answered now.
+        answered = [run for run, run_rows in admitted if not run_rows]
+        events.publish([(run.rid, event) for run in answered for event in self._answer(run)])
+        for run in answered:
+            self._end(run, {"usage": run.usage()})
+
+    def _answer(self, run: Running) -> list[dict[str, Any]]:
+        """The events of a request that generates nothing: each choice's echo, and usage."""
+        out: list[dict[str, Any]] = [
+            {
+                "t": "end",
+                "i": c.index,
+                "text": c.unsent,
+                "lp": c.logprobs,
+                "finish_reason": "length",
+            }
+            for c in run.choices
+        ]
+        return [*out, {"t": "done", "usage": run.usage()}]
 
     def _start(self, run: Running) -> dict[str, Any]:
         event: dict[str, Any] = {"t": "start", "prompt_tokens": run.prompt_tokens}
@@ -301,10 +380,17 @@ class ChatHandler:
             stream=bool(f.get("stream")),
             want_logprobs=bool(f.get("logprobs")),
         )
+        echoes = self._echo(op, prompts, key) if f.get("echo") else [None] * len(prompts)
         rows = []
         for i, prompt in enumerate(prompts):
+            limit = self._max_tokens(op, prompt)
+            if limit == 0:
+                # Nothing to generate (an echo of the prompt, scored): no row.
+                for j in range(n):
+                    run.choices.append(self._choice(i * n + j, 0, stop, echoes[i], done=True))
+                continue
             params = SamplingParams(
-                max_tokens=self._max_tokens(op, prompt),
+                max_tokens=limit,
                 temperature=float(sp["temperature"]),
                 top_p=float(sp["top_p"]),
                 seed=sp.get("seed"),
@@ -326,14 +412,17 @@ class ChatHandler:
                         where = "logit_bias"
                     raise BadRequest(str(exc), where) from exc
                 rows.append(row)
-                run.choices.append(
-                    Choice(
-                        index=i * n + j,
-                        text=TextStream(self.tokenizer, stop),
-                        limit=params.max_tokens,
-                    )
-                )
+                run.choices.append(self._choice(i * n + j, limit, stop, echoes[i]))
         return run, rows
+
+    def _choice(
+        self, index: int, limit: int, stop: tuple[str, ...], echo: Echo | None, done: bool = False
+    ) -> Choice:
+        choice = Choice(index=index, text=TextStream(self.tokenizer, stop), limit=limit)
+        if echo is not None:
+            choice.unsent, choice.logprobs = echo.text, list(echo.entries)
+        choice.finished = done
+        return choice
 
     def step(self) -> None:
         """One decode step of the batch, published; finished and abandoned requests leave."""
@@ -400,8 +489,12 @@ class ChatHandler:
                 continue
             choice.tokens += 1
             choice.unsent += choice.text.push(step.token)
-            if run.want_logprobs and not choice.text.stopped:
-                choice.logprobs.append(self._entry(step, int(run.op.fields.get("top_logprobs", 0))))
+            at_eos = step.token in self.eos and not run.op.fields["params"].get("ignore_eos")
+            if run.want_logprobs and not (step.finished and at_eos and run.chat):
+                # Chat: the end of the turn is no content, so no entry (OpenAI's entries spell
+                # the content). The legacy form keeps it, as OpenAI's and vLLM's do: lm-eval
+                # reads the prompt's entries as all but the last of an echo with max_tokens 1.
+                choice.pending.append(self._entry(step, int(run.op.fields.get("top_logprobs", 0))))
             if step.finished or choice.text.stopped:
                 if not step.finished:
                     # Cut at a stop string the batch has not seen yet (it looks at a window
@@ -409,7 +502,7 @@ class ChatHandler:
                     drop.add(step.row)
                 choice.finished = True
                 text = choice.unsent + choice.text.finish()
-                at_eos = step.token in self.eos and not run.op.fields["params"].get("ignore_eos")
+                choice.release_entries()
                 stopped = choice.text.stopped or at_eos or choice.tokens < choice.limit
                 end: dict[str, Any] = {
                     "t": "end",
@@ -426,7 +519,9 @@ class ChatHandler:
                 choice.unsent, choice.logprobs = "", []
                 if all(c.finished for c in run.choices):
                     finished_runs.append(run)
-            elif run.stream and run.rid in due and (choice.unsent or choice.logprobs):
+                continue
+            choice.release_entries()
+            if run.stream and run.rid in due and (choice.unsent or choice.logprobs):
                 deltas.setdefault(run.rid, []).append(
                     {"i": choice.index, "text": choice.unsent, "lp": choice.logprobs}
                 )

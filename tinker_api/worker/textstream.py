@@ -20,6 +20,10 @@ class TextStream:
         self.sent = 0
         self.stopped = False
         """A stop string appeared: nothing after it is text."""
+        self.covered = 0
+        """How many leading tokens the released text spells in full: their logprob entries
+        may go out (a token whose text is held back, or lies past a stop string, waits or
+        never goes)."""
 
     def push(self, token: int) -> str:
         """Add one token; the text that became final with it."""
@@ -38,6 +42,7 @@ class TextStream:
         if cuts:
             self.stopped = True
             end = min(cuts)
+            self.covered = max(self.covered, self._tokens_for(end))
         elif final:
             end = len(text)
         else:
@@ -45,11 +50,23 @@ class TextStream:
             while end > self.sent and text[end - 1] == REPLACEMENT:
                 end -= 1
             end -= self._held(text[:end])
+        if end == len(text):
+            self.covered = len(self.tokens)
         if end <= self.sent:
             return ""
         delta = text[self.sent : end]
         self.sent = end
         return delta
+
+    def _tokens_for(self, chars: int) -> int:
+        """The fewest leading tokens whose text holds its first ``chars`` characters (a stop
+        string spans few tokens: this decodes only as many prefixes)."""
+        k = len(self.tokens)
+        while k > 0:
+            if len(self.tokenizer.decode(self.tokens[: k - 1], skip_special_tokens=True)) < chars:
+                break
+            k -= 1
+        return k
 
     def _held(self, text: str) -> int:
         """Length of the longest tail of ``text`` that begins some stop string."""
