@@ -396,3 +396,21 @@ def test_it_releases_streamed_text_only_once_it_is_final(base_model_dir: Path) -
     assert stream.stopped
     # "." and ". " could begin the stop string: they were held back, not sent and retracted.
     assert all(". " not in piece for piece in released)
+
+
+def test_text_decoded_a_token_at_a_time_is_the_whole_sequences_text(base_model_dir: Path) -> None:
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tinker_api.worker.textstream import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    rng = random.Random(5)
+    # Any tokens at all: pieces of multi-byte characters, special tokens, spaces.
+    ids = [rng.randrange(len(tokenizer)) for _ in range(400)]
+    ids += tokenizer.encode("é ü 名前 ok", add_special_tokens=False)
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert stream.covered == len(ids)
