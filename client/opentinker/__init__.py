@@ -20,8 +20,10 @@ from .errors import (
     QuotaError,
     ServerError,
     SpecError,
+    UnexpectedResponse,
     UsageError,
     ValidationError,
+    WaitTimeout,
 )
 from .fit import FitResult, fit
 
@@ -40,8 +42,10 @@ __all__ = [
     "QuotaError",
     "ServerError",
     "SpecError",
+    "UnexpectedResponse",
     "UsageError",
     "ValidationError",
+    "WaitTimeout",
     "__version__",
     "fit",
 ]

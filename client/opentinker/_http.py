@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 
 from . import __version__
-from .errors import NetworkError, error_from_response
+from .config import redact
+from .errors import ConfigError, NetworkError, UnexpectedResponse, error_from_response, not_json
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -35,16 +36,22 @@ class Transport:
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff = backoff
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers={
-                "Authorization": f"Bearer {api_key}",
-                "Accept": "application/json",
-                "User-Agent": f"opentinker-client/{__version__}",
-            },
-            timeout=timeout,
-            transport=transport,
-        )
+        self._key = api_key
+        try:
+            self._http = httpx.Client(
+                base_url=self.url,
+                headers={
+                    "Authorization": f"Bearer {api_key}",
+                    "Accept": "application/json",
+                    "User-Agent": f"opentinker-client/{__version__}",
+                },
+                timeout=timeout,
+                transport=transport,
+            )
+        except httpx.InvalidURL as exc:
+            raise ConfigError(f"invalid server URL {self.url!r}: {exc}") from None
+        except UnicodeEncodeError:
+            raise ConfigError(f"the API key {redact(api_key)} is not ASCII") from None
 
     def close(self) -> None:
         self._http.close()
@@ -59,6 +66,9 @@ class Transport:
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
+            except httpx.LocalProtocolError as exc:
+                # Our own request is malformed: sending it again cannot help.
+                raise ConfigError(self._redacted(f"{method} {self.url}{path}: {exc}")) from None
             except httpx.ConnectError as exc:
                 retry, error = True, exc
             except httpx.TransportError as exc:
@@ -71,9 +81,17 @@ class Transport:
                     continue
                 return response
             if not retry or attempt >= self.retries:
-                raise NetworkError(f"{method} {self.url}{path}: {error}") from error
+                raise NetworkError(self._redacted(f"{method} {self.url}{path}: {error}")) from error
             time.sleep(self._delay(attempt))
             attempt += 1
+
+    def _redacted(self, message: str) -> str:
+        # httpx quotes a bad header as bytes (b'Bearer otk_...\\r'): every spelling goes.
+        spellings = {self._key, self._key.strip(), repr(self._key)[1:-1]}
+        spellings.add(repr(self._key.encode("utf-8", "replace"))[2:-1])
+        for spelling in sorted(filter(None, spellings), key=len, reverse=True):
+            message = message.replace(spelling, redact(self._key))
+        return message
 
     @staticmethod
     def _check(response: httpx.Response) -> httpx.Response:
@@ -83,7 +101,26 @@ class Transport:
             body: Any = response.json()
         except ValueError:
             body = None
-        raise error_from_response(response.status_code, body, response.text)
+        raise error_from_response(
+            response.status_code,
+            body,
+            response.text,
+            content_type=response.headers.get("content-type", ""),
+            location=response.headers.get("location", ""),
+        )
+
+    @staticmethod
+    def _json(response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            kind = response.headers.get("content-type", "")
+            what = not_json(response.status_code, kind, response.text)
+            request = response.request
+            raise UnexpectedResponse(
+                f"unexpected response from the server ({request.method} {request.url.path}: "
+                f"HTTP {response.status_code}, {what})"
+            ) from None
 
     def request(
         self, method: str, path: str, *, idempotent: bool | None = None, **kwargs: Any
@@ -94,7 +131,7 @@ class Transport:
         response = self._check(self._send(method, path, idempotent=idempotent, **kwargs))
         if response.status_code == 204 or not response.content:
             return None
-        return response.json()
+        return self._json(response)
 
     def get(self, path: str, **kwargs: Any) -> Any:
         return self.request("GET", path, **kwargs)
@@ -111,12 +148,22 @@ class Transport:
             if isinstance(body, list):
                 yield from body
                 return
+            if not isinstance(body, dict) or not isinstance(body.get("results", []), list):
+                raise UnexpectedResponse(
+                    f"unexpected response from the server (GET {path}: not a list or a page)"
+                )
             yield from body.get("results", [])
             url = body.get("next")
 
     def page(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         body = self.get(path, params=params)
-        return body if isinstance(body, dict) else {"results": body, "next": None}
+        if isinstance(body, list):
+            return {"results": body, "next": None}
+        if not isinstance(body, dict) or not isinstance(body.get("results", []), list):
+            raise UnexpectedResponse(
+                f"unexpected response from the server (GET {path}: not a list or a page)"
+            )
+        return body
 
     @contextmanager
     def stream(self, path: str) -> Iterator[httpx.Response]:

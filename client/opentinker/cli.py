@@ -1,38 +1,32 @@
 """The ``opentinker`` command line.
 
 Exit codes (for scripts): 0 ok; 1 the job ended FAILED or CANCELLED; 2 usage or validation
-error (bad spec, unknown override key, conflict, quota); 3 authentication or permission;
-4 not found; 5 server or network error.
+error (bad spec, unknown override key, conflict, quota, a local file problem); 3 authentication
+or permission; 4 not found; 5 server or network error; 6 --follow gave up after --timeout (the
+job keeps running); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import math
+import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import Annotated, Any
 
 import typer
-from pydantic import BaseModel
-from rich.console import Console
 from rich.table import Table
 
-from . import config
+from . import __version__, config
+from ._output import dump, err, handles_errors, job_line, keeps_running, out, print_table
 from .client import Client, Job
-from .errors import (
-    EXIT_JOB_FAILED,
-    EXIT_OK,
-    ApiError,
-    OpenTinkerError,
-    SpecError,
-)
+from .errors import EXIT_JOB_FAILED, EXIT_OK, SpecError, UsageError
 from .spec import apply_overrides, check_spec, load_yaml, shipped_schema
 
 EPILOG = (
     "Exit codes: 0 ok; 1 job FAILED or CANCELLED; 2 usage or validation error; "
-    "3 authentication; 4 not found; 5 server or network error."
+    "3 authentication; 4 not found; 5 server or network error; "
+    "6 --follow gave up after --timeout (the job keeps running); 130 interrupted."
 )
 
 app = typer.Typer(
@@ -43,40 +37,12 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-datasets_app = typer.Typer(help="Upload and list datasets.", no_args_is_help=True)
+datasets_app = typer.Typer(help="Upload, list and delete datasets.", no_args_is_help=True)
 keys_app = typer.Typer(help="List, create, rotate and revoke API keys.", no_args_is_help=True)
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(keys_app, name="keys")
 
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
-
-P = ParamSpec("P")
-R = TypeVar("R")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
-
-
-def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Report a client error as one clear message and its documented exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except OpenTinkerError as exc:
-            _report(exc)
-            raise typer.Exit(exc.exit_code) from None
-
-    return wrapper
-
-
-def _report(exc: OpenTinkerError) -> None:
-    if isinstance(exc, ApiError):
-        err.print(f"[red]error:[/red] {exc.detail} (HTTP {exc.status})", highlight=False)
-        for e in exc.errors:
-            err.print(f"  {e.get('field') or '(spec)'}: {e.get('reason', '')}", highlight=False)
-    else:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
 
 
 def _client(ctx: typer.Context) -> Client:
@@ -84,30 +50,10 @@ def _client(ctx: typer.Context) -> Client:
     return Client(opts.get("url"), opts.get("api_key"))
 
 
-def _dump(value: Any) -> None:
-    def plain(v: Any) -> Any:
-        if isinstance(v, Job):
-            return v.record.model_dump(mode="json")
-        if isinstance(v, BaseModel):
-            return v.model_dump(mode="json")
-        if isinstance(v, list):
-            return [plain(i) for i in v]
-        if isinstance(v, dict):
-            return {k: plain(i) for k, i in v.items()}
-        return v
-
-    sys.stdout.write(json.dumps(plain(value), indent=2, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def _job_line(job: Job) -> str:
-    r = job.record
-    total = r.total_steps
-    step = f"{r.current_step or 0}/{total}" if total else str(r.current_step or 0)
-    extra = f"  {r.error_code}: {r.error_message}" if r.error_code else ""
-    if r.state == "QUEUED" and r.queue_note:
-        extra = f"  ({r.queue_note})"
-    return f"{job.id}  {r.state:<9}  step {step}  {r.spec.get('method', '')}  {r.name}{extra}"
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(f"opentinker {__version__}", highlight=False)
+        raise typer.Exit()
 
 
 @app.callback()
@@ -119,6 +65,12 @@ def main_options(
     api_key: Annotated[
         str | None, typer.Option(help="API key (default: $OPENTINKER_API_KEY or the login file).")
     ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
 ) -> None:
     ctx.obj = {"url": url, "api_key": api_key}
 
@@ -134,11 +86,16 @@ def login(
     opts = ctx.find_root().obj or {}
     url = url or opts.get("url") or typer.prompt("Server URL")
     api_key = api_key or opts.get("api_key") or typer.prompt("API key", hide_input=True)
-    with Client(url, api_key) as client:
+    # Checked and stripped of stray whitespace first: what is saved is what was tried.
+    settings = config.resolve(url, api_key)
+    with Client(settings.url, settings.api_key) as client:
         me = client.me()
-    path = config.save_file(config.Settings(url=url.rstrip("/"), api_key=api_key))
+    path = config.save_file(settings)
     teams = ", ".join(t.slug for t in me.teams) or "no team"
-    err.print(f"logged in to {url} as {me.username} ({teams}); saved to {path}", highlight=False)
+    err.print(
+        f"logged in to {settings.url} as {me.username} ({teams}); saved to {path}",
+        highlight=False,
+    )
 
 
 @app.command()
@@ -148,7 +105,7 @@ def whoami(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     with _client(ctx) as client:
         me = client.me()
         if as_json:
-            _dump({"url": client.url, **me.model_dump(mode="json")})
+            dump({"url": client.url, **me.model_dump(mode="json")})
             return
         out.print(f"user   {me.username}", highlight=False)
         out.print(f"server {client.url}", highlight=False)
@@ -161,11 +118,12 @@ def whoami(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 def _follow(job: Job, as_json: bool, timeout: float | None) -> None:
-    job.wait(progress=not as_json, timeout=timeout)
+    with keeps_running(job):
+        job.wait(progress=not as_json, timeout=timeout)
     if as_json:
-        _dump(job)
+        dump(job)
     else:
-        out.print(_job_line(job), highlight=False)
+        out.print(job_line(job), highlight=False)
         final = job.metrics().final()
         if final:
             out.print(
@@ -207,21 +165,26 @@ def submit(
         bool, typer.Option("--dry-run", help="Print the final spec; send nothing.")
     ] = False,
     timeout: Annotated[
-        float | None, typer.Option(help="Give up following after this many seconds.")
+        float | None,
+        typer.Option(
+            help="Give up following after this many seconds (exit 6; the job keeps running)."
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Submit a job from a YAML spec with Hydra-style overrides; --follow waits for the end."""
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
     if dry_run:
         # Offline: the schema shipped with the client, nothing sent.
-        _dump(_build_spec(spec_file, overrides or [], shipped_schema()))
+        dump(_build_spec(spec_file, overrides or [], shipped_schema()))
         return
     with _client(ctx) as client:
         spec = _build_spec(spec_file, overrides or [], client.jobspec_schema())
         job = client.jobs.submit(spec, name=name or spec_file.stem, team=team)
         if not follow:
             if as_json:
-                _dump(job)
+                dump(job)
             else:
                 out.print(job.id, highlight=False)
             return
@@ -243,7 +206,7 @@ def list_jobs(
     with _client(ctx) as client:
         jobs = client.jobs.list(state=[s.upper() for s in state] if state else None, limit=limit)
         if as_json:
-            _dump(jobs)
+            dump(jobs)
             return
         table = Table("id", "state", "step", "method", "name", "created")
         for job in jobs:
@@ -257,7 +220,7 @@ def list_jobs(
                 r.name,
                 r.created.strftime("%Y-%m-%d %H:%M:%S"),
             )
-        out.print(table)
+        print_table(table)
 
 
 @app.command()
@@ -267,9 +230,9 @@ def status(ctx: typer.Context, job_id: str, as_json: JsonOpt = False) -> None:
     with _client(ctx) as client:
         job = client.jobs.get(job_id)
         if as_json:
-            _dump(job)
+            dump(job)
         else:
-            out.print(_job_line(job), highlight=False)
+            out.print(job_line(job), highlight=False)
 
 
 @app.command()
@@ -285,16 +248,17 @@ def logs(
     """The job's event log (state changes, runner messages)."""
     with _client(ctx) as client:
         job = client.jobs.get(job_id)
-        for event in job.events(follow=follow):
-            if as_json:
-                sys.stdout.write(event.model_dump_json() + "\n")
-                sys.stdout.flush()
-                continue
-            change = f" {event.from_state}->{event.to_state}" if event.to_state else ""
-            out.print(
-                f"{event.created:%H:%M:%S} {event.kind}{change} {event.message}".rstrip(),
-                highlight=False,
-            )
+        with keeps_running(job):
+            for event in job.events(follow=follow):
+                if as_json:
+                    sys.stdout.write(event.model_dump_json() + "\n")
+                    sys.stdout.flush()
+                    continue
+                change = f" {event.from_state}->{event.to_state}" if event.to_state else ""
+                out.print(
+                    f"{event.created:%H:%M:%S} {event.kind}{change} {event.message}".rstrip(),
+                    highlight=False,
+                )
 
 
 @app.command()
@@ -309,24 +273,27 @@ def metrics(
     with _client(ctx) as client:
         series = client.jobs.get(job_id).metrics(names=name)
         if as_json:
-            _dump(series)
+            dump(series)
             return
         table = Table("metric", "steps", "last step", "last value")
         for key, points in sorted(series.series.items()):
             table.add_row(key, str(len(points)), str(int(points[-1][0])), f"{points[-1][1]:.6g}")
-        out.print(table)
+        print_table(table)
 
 
 @app.command()
 @handles_errors
 def cancel(ctx: typer.Context, job_id: str, as_json: JsonOpt = False) -> None:
-    """Cancel a job: a queued one at once, a running one within a step."""
+    """Cancel a job: a queued one at once, a running one within a step. Safe to repeat."""
     with _client(ctx) as client:
-        job = client.jobs.get(job_id).cancel()
+        job = client.jobs.get(job_id)
+        if job.record.state == "CANCELLED":
+            err.print(f"job {job.id} was already cancelled", highlight=False)
+        job.cancel()
         if as_json:
-            _dump(job)
+            dump(job)
         else:
-            out.print(_job_line(job), highlight=False)
+            out.print(job_line(job), highlight=False)
 
 
 @app.command()
@@ -340,13 +307,32 @@ def download(
     artifact: Annotated[
         str | None, typer.Option(help="An artifact: adapter, model, summary.json, eval/...")
     ] = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Directory or file.")] = Path("."),
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Directory (exists, ends in /, or has no suffix) or file.",
+        ),
+    ] = ".",
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace an existing file; write into an existing adapter/model directory.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Download a job's adapter (default when it has one), an artifact or a checkpoint."""
+    """Download a job's adapter (default when it has one), an artifact or a checkpoint.
+
+    Nothing that exists is replaced without --force, and other files are never deleted."""
     if checkpoint and artifact:
-        err.print("error: give --checkpoint or --artifact, not both")
-        raise typer.Exit(2)
+        raise UsageError("give --checkpoint or --artifact, not both")
+    plain = Path(output)
+    if not (plain.suffix or plain.is_file() or plain.is_symlink()):
+        # -o DIR: a name without a suffix is a directory, as for artifacts.
+        output = output.rstrip("/" + os.sep) + os.sep
     with _client(ctx) as client:
         job = client.jobs.get(job_id)
         if artifact is None and checkpoint is None:
@@ -358,12 +344,12 @@ def download(
             else:
                 checkpoint = "latest"
         if checkpoint is not None:
-            output.mkdir(parents=True, exist_ok=True) if not output.suffix else None
-            path = job.download(None if checkpoint == "latest" else checkpoint, output)
+            name = None if checkpoint == "latest" else checkpoint
+            path = job.download(name, output, overwrite=force)
         else:
-            path = job.download_artifact(str(artifact), output)
+            path = job.download_artifact(str(artifact), output, overwrite=force)
         if as_json:
-            _dump({"path": str(path)})
+            dump({"path": str(path)})
         else:
             out.print(str(path), highlight=False)
 
@@ -390,7 +376,7 @@ def datasets_upload(
     with _client(ctx) as client:
         dataset = client.datasets.upload(file, env=env, name=name, format=format, team=team)
         if as_json:
-            _dump(dataset)
+            dump(dataset)
         else:
             out.print(
                 f"{dataset.ref}  {dataset.name}  {dataset.rows} rows  env {dataset.env}",
@@ -409,12 +395,29 @@ def datasets_list(
     with _client(ctx) as client:
         found = client.datasets.list(env=env)
         if as_json:
-            _dump(found)
+            dump(found)
             return
         table = Table("ref", "name", "env", "format", "rows")
         for d in found:
             table.add_row(d.ref, d.name, d.env, d.format, str(d.rows))
-        out.print(table)
+        print_table(table)
+
+
+@datasets_app.command("delete")
+@handles_errors
+def datasets_delete(
+    ctx: typer.Context,
+    dataset: Annotated[str, typer.Argument(help="The dataset's name, id or ref (dataset:<id>).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete a dataset of your team (a name two of your teams use needs the ref)."""
+    with _client(ctx) as client:
+        found = client.datasets.find(dataset)
+        client.datasets.delete(str(found.id))
+        if as_json:
+            dump(found)
+        else:
+            out.print(f"deleted dataset {found.name} ({found.ref})", highlight=False)
 
 
 @keys_app.command("list")
@@ -424,18 +427,18 @@ def keys_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     with _client(ctx) as client:
         found = client.keys.list()
         if as_json:
-            _dump(found)
+            dump(found)
             return
         table = Table("id", "name", "prefix", "team", "active", "expires")
         for k in found:
             expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else ""
             table.add_row(str(k.id), k.name, k.prefix, k.team, "yes" if k.active else "no", expires)
-        out.print(table)
+        print_table(table)
 
 
 def _issued(key: Any, as_json: bool) -> None:
     if as_json:
-        _dump(key)
+        dump(key)
         return
     err.print(f"key {key.id} '{key.name}' for team {key.team}; store it now, it is shown once:")
     out.print(key.key, highlight=False)
@@ -477,7 +480,7 @@ def keys_revoke(ctx: typer.Context, key_id: int, as_json: JsonOpt = False) -> No
     with _client(ctx) as client:
         key = client.keys.revoke(key_id)
         if as_json:
-            _dump(key)
+            dump(key)
         else:
             out.print(f"revoked key {key.id} '{key.name}' ({key.prefix})", highlight=False)
 

@@ -8,21 +8,28 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import math
 import time
-import zipfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, Any, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
+import pydantic
 
-from . import config
+from . import _files, config
 from ._http import Transport
-from .errors import JobFailed, NotFound, OpenTinkerError, UsageError
+from .errors import (
+    Conflict,
+    JobFailed,
+    NotFound,
+    OpenTinkerError,
+    UnexpectedResponse,
+    UsageError,
+    WaitTimeout,
+)
 from .models import (
     ApiKey,
     Artifact,
@@ -40,6 +47,45 @@ from .models import (
 from .spec import Schema, schema_from_openapi, shipped_schema
 
 API = "/api/v1"
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def _parse(model: type[M], raw: Any) -> M:
+    """The server's JSON as ``model``; another shape is the server's fault, said in one line."""
+    try:
+        return model.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise UnexpectedResponse(
+            f"unexpected response from the server (a {model.__name__} with {where}: {first['msg']})"
+        ) from None
+
+
+def _parse_list(model: type[M], raw: Any) -> list[M]:
+    if not isinstance(raw, list):
+        raise UnexpectedResponse(
+            f"unexpected response from the server (expected a list of {model.__name__}, "
+            f"got {type(raw).__name__})"
+        )
+    return [_parse(model, item) for item in raw]
+
+
+def _segment(value: str, what: str, *, slashes: bool = False) -> str:
+    """``value`` quoted for one URL path segment (or several, for artifact names such as
+    ``eval/step-2.jsonl``); a ``.`` or ``..`` would be resolved away and reach another URL."""
+    parts = value.split("/") if slashes else [value]
+    if any(part in ("", ".", "..") for part in parts):
+        raise UsageError(f"not a valid {what}: {value!r}")
+    return "/".join(quote(part, safe="") for part in parts)
+
+
+def _job_id(value: str) -> str:
+    try:
+        return str(uuid.UUID(str(value)))
+    except ValueError:
+        raise UsageError(f"not a job id: {value!r} (a job id is a UUID)") from None
 
 
 class Job:
@@ -67,13 +113,27 @@ class Job:
         return f"{API}/jobs/{self.id}"
 
     def refresh(self) -> Job:
-        self.record = JobRecord.model_validate(self._client._http.get(self._path))
+        self.record = _parse(JobRecord, self._client._http.get(self._path))
         return self
 
     def cancel(self) -> Job:
-        """Ask the server to cancel; a running job stops within a step. Safe to repeat."""
-        body = self._client._http.post(f"{self._path}/cancel", idempotent=True)
-        self.record = JobRecord.model_validate(body)
+        """Ask the server to cancel; a running job stops within a step. Safe to repeat: a job
+        already CANCELLED is returned as it is; one that ended otherwise raises ``Conflict``."""
+        try:
+            body = self._client._http.post(f"{self._path}/cancel", idempotent=True)
+        except Conflict as exc:
+            self.refresh()
+            if self.record.state == "CANCELLED":
+                return self
+            if self.record.is_final:
+                raise Conflict(
+                    exc.status,
+                    f"job {self.id} already ended {self.record.state}; nothing to cancel",
+                    exc.errors,
+                    exc.body,
+                ) from None
+            raise
+        self.record = _parse(JobRecord, body)
         return self
 
     def metrics(self, names: list[str] | None = None, since_step: int | None = None) -> Metrics:
@@ -82,9 +142,7 @@ class Job:
             params["name"] = names
         if since_step is not None:
             params["since_step"] = since_step
-        return Metrics.model_validate(
-            self._client._http.get(f"{self._path}/metrics", params=params)
-        )
+        return _parse(Metrics, self._client._http.get(f"{self._path}/metrics", params=params))
 
     def events(self, follow: bool = False, poll: float = 1.0) -> Iterator[JobEvent]:
         """The event log, oldest first; with ``follow``, new events until the job ends."""
@@ -96,7 +154,7 @@ class Job:
             final = (not follow) or self.refresh().is_final
             page = http.page(url)
             for raw in page.get("results", []):
-                event = JobEvent.model_validate(raw)
+                event = _parse(JobEvent, raw)
                 if event.id not in seen:
                     seen.add(event.id)
                     yield event
@@ -117,7 +175,12 @@ class Job:
         raise_on_failure: bool = False,
     ) -> Job:
         """Poll until the job ends. The interval grows while nothing changes and drops back
-        when the step moves. With ``progress``, a bar shows the step, last reward and ETA."""
+        when the step moves. With ``progress``, a bar shows the step, last reward and ETA.
+
+        After ``timeout`` seconds, raises ``WaitTimeout``; the job keeps running.
+        """
+        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
+            raise UsageError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = poll
         bar = None
@@ -145,7 +208,7 @@ class Job:
                 if self.record.is_final:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id} still {self.record.state} after {timeout} s")
+                    raise WaitTimeout(self.record, float(timeout or 0))
                 interval = poll if step != last_step else min(interval * 1.5, max_poll)
                 last_step = step
                 time.sleep(interval)
@@ -157,17 +220,23 @@ class Job:
         return self
 
     def checkpoints(self) -> list[Checkpoint]:
-        body = self._client._http.get(f"{self._path}/checkpoints")
-        return [Checkpoint.model_validate(c) for c in body]
+        return _parse_list(Checkpoint, self._client._http.get(f"{self._path}/checkpoints"))
 
     def artifacts(self) -> list[Artifact]:
-        body = self._client._http.get(f"{self._path}/artifacts")
-        return [Artifact.model_validate(a) for a in body]
+        return _parse_list(Artifact, self._client._http.get(f"{self._path}/artifacts"))
 
-    def download(self, checkpoint: Checkpoint | str | None = None, path: str | Path = ".") -> Path:
+    def download(
+        self,
+        checkpoint: Checkpoint | str | None = None,
+        path: str | Path = ".",
+        *,
+        overwrite: bool = False,
+    ) -> Path:
         """Save a checkpoint's training state (``state.pt``); the latest when none is named.
 
-        ``path`` is a file, or a directory to put ``<job>-<checkpoint>-state.pt`` in.
+        ``path`` is a file, or a directory (one that exists, or any path ending in ``/``) to
+        put ``<job>-<checkpoint>-state.pt`` in. An existing file is replaced only with
+        ``overwrite``.
         """
         if checkpoint is None:
             found = self.checkpoints()
@@ -175,38 +244,40 @@ class Job:
                 raise NotFound(404, f"job {self.id} has no checkpoints (yet)")
             checkpoint = found[-1]
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
+        url = f"{self._path}/checkpoints/{_segment(name, 'checkpoint name')}"
         target = Path(path)
-        if target.is_dir():
+        if _files.names_directory(path):
             target = target / f"{self.id}-{name}-state.pt"
-        return self._client._download(f"{self._path}/checkpoints/{quote(name)}", target)
+        return self._client._download(url, target, overwrite=overwrite)
 
     def download_artifact(
-        self, name: str = "adapter", path: str | Path = ".", *, extract: bool = True
+        self,
+        name: str = "adapter",
+        path: str | Path = ".",
+        *,
+        extract: bool = True,
+        overwrite: bool = False,
     ) -> Path:
         """Save an artifact. A directory artifact (``adapter``, ``model``) comes as a zip; with
-        ``extract`` it is unpacked into ``path/<name>`` and that directory is returned."""
-        target = Path(path)
+        ``extract`` it is unpacked into ``path/<name>`` and that directory is returned.
+
+        ``path`` is a directory when it exists, ends in ``/`` or has no suffix. What exists is
+        kept unless ``overwrite``: then a file is replaced, and an unpacked directory gets the
+        new files written into it (files of other names in it are left alone).
+        """
+        url = f"{self._path}/artifacts/{_segment(name, 'artifact name', slashes=True)}"
         zipped = name in ("adapter", "model")
-        if target.is_dir() or not target.suffix:
-            target.mkdir(parents=True, exist_ok=True)
-            filename = f"{name}.zip" if zipped else name.replace("/", "-")
-            file_target = target / filename
-        else:
-            file_target = target
-        saved = self._client._download(f"{self._path}/artifacts/{name}", file_target)
+        target = Path(path)
+        if _files.names_directory(path) or not target.suffix:
+            target = target / (f"{name}.zip" if zipped else name.replace("/", "-"))
         if not (zipped and extract):
-            return saved
-        out = saved.with_suffix("")
-        if out.exists():
-            shutil.rmtree(out)
-        with zipfile.ZipFile(saved) as zf:
-            for member in zf.namelist():
-                # Never write outside the target directory, whatever the archive says.
-                if member.startswith("/") or ".." in Path(member).parts:
-                    raise OpenTinkerError(f"refusing unsafe path {member!r} in {saved.name}")
-            zf.extractall(out)
-        saved.unlink()
-        return out
+            return self._client._download(url, target, overwrite=overwrite)
+        out = target.with_suffix("")
+        _files.check_directory_free(out, overwrite)
+        with _files.scratch_file(out.parent) as archive:
+            self._client._fetch(url, archive)
+            archive.seek(0)
+            return _files.unpack(archive, out, overwrite=overwrite, label=f"{name} of {self.id}")
 
 
 class Jobs:
@@ -228,17 +299,19 @@ class Jobs:
         body: dict[str, Any] = {"spec": spec, "name": name, "kind": kind}
         if team:
             body["team"] = team
-        record = JobRecord.model_validate(self._client._http.post(f"{API}/jobs", json=body))
+        record = _parse(JobRecord, self._client._http.post(f"{API}/jobs", json=body))
         return Job(self._client, record)
 
     def get(self, job_id: str) -> Job:
-        return Job(
-            self._client, JobRecord.model_validate(self._client._http.get(f"{API}/jobs/{job_id}"))
-        )
+        """One job by id (a UUID; anything else is refused before a request is sent)."""
+        raw = self._client._http.get(f"{API}/jobs/{_job_id(job_id)}")
+        return Job(self._client, _parse(JobRecord, raw))
 
     def list(
         self, *, state: str | list[str] | None = None, name: str | None = None, limit: int = 50
     ) -> list[Job]:
+        if limit < 1:
+            raise UsageError(f"limit must be at least 1, got {limit}")
         params: dict[str, Any] = {}
         if state:
             params["state"] = [state] if isinstance(state, str) else state
@@ -246,7 +319,7 @@ class Jobs:
             params["name"] = name
         out: list[Job] = []
         for raw in self._client._http.paginate(f"{API}/jobs", params=params):
-            out.append(Job(self._client, JobRecord.model_validate(raw)))
+            out.append(Job(self._client, _parse(JobRecord, raw)))
             if len(out) >= limit:
                 break
         return out
@@ -281,20 +354,44 @@ class Datasets:
             body = self._client._http.post(
                 f"{API}/datasets", data=data, files={"file": (path.name, handle)}
             )
-        return Dataset.model_validate(body)
+        return _parse(Dataset, body)
 
-    def list(self, *, env: str | None = None) -> list[Dataset]:
-        params = {"env": env} if env else None
-        return [
-            Dataset.model_validate(d)
-            for d in self._client._http.paginate(f"{API}/datasets", params)
-        ]
+    def list(self, *, env: str | None = None, name: str | None = None) -> list[Dataset]:
+        """Datasets of your teams; ``name`` keeps those whose name contains it."""
+        params = {k: v for k, v in (("env", env), ("name", name)) if v} or None
+        return [_parse(Dataset, d) for d in self._client._http.paginate(f"{API}/datasets", params)]
 
     def get(self, dataset_id: str) -> Dataset:
-        return Dataset.model_validate(self._client._http.get(f"{API}/datasets/{dataset_id}"))
+        """A dataset by id or ref (``dataset:<id>``)."""
+        return _parse(Dataset, self._client._http.get(self._url(dataset_id)))
+
+    def find(self, name_or_ref: str) -> Dataset:
+        """A dataset by id, ref or exact name; a name two teams use is refused as ambiguous."""
+        if self._is_ref(name_or_ref):
+            return self.get(name_or_ref)
+        found = [d for d in self.list(name=name_or_ref) if d.name == name_or_ref]
+        if not found:
+            raise NotFound(404, f"no dataset named {name_or_ref!r}")
+        if len(found) > 1:
+            refs = ", ".join(f"{d.ref} (team {d.team})" for d in found)
+            raise UsageError(f"several datasets are named {name_or_ref!r}: {refs}; give a ref")
+        return found[0]
 
     def delete(self, dataset_id: str) -> None:
-        self._client._http.request("DELETE", f"{API}/datasets/{dataset_id}")
+        """Delete a dataset by id or ref (``dataset:<id>``)."""
+        self._client._http.request("DELETE", self._url(dataset_id))
+
+    @staticmethod
+    def _is_ref(value: str) -> bool:
+        try:
+            uuid.UUID(value.removeprefix("dataset:"))
+        except ValueError:
+            return False
+        return True
+
+    def _url(self, dataset_id: str) -> str:
+        bare = dataset_id.removeprefix("dataset:")
+        return f"{API}/datasets/{_segment(bare, 'dataset id')}"
 
 
 class Keys:
@@ -302,7 +399,7 @@ class Keys:
         self._client = client
 
     def list(self) -> list[ApiKey]:
-        return [ApiKey.model_validate(k) for k in self._client._http.paginate(f"{API}/keys")]
+        return [_parse(ApiKey, k) for k in self._client._http.paginate(f"{API}/keys")]
 
     def create(
         self, name: str, *, expires_at: str | None = None, team: str | None = None
@@ -312,20 +409,22 @@ class Keys:
             body["expires_at"] = expires_at
         if team:
             body["team"] = team
-        return IssuedApiKey.model_validate(self._client._http.post(f"{API}/keys", json=body))
+        return _parse(IssuedApiKey, self._client._http.post(f"{API}/keys", json=body))
 
     def rotate(self, key_id: int, *, grace_hours: float | None = None) -> IssuedApiKey:
         """A successor key; the old one keeps working for the grace period."""
         body: dict[str, Any] = {}
         if grace_hours is not None:
+            if not (math.isfinite(grace_hours) and grace_hours >= 0):
+                raise UsageError(f"grace hours must be a finite number >= 0, got {grace_hours}")
             body["grace_hours"] = grace_hours
-        return IssuedApiKey.model_validate(
-            self._client._http.post(f"{API}/keys/{key_id}/rotate", json=body)
+        return _parse(
+            IssuedApiKey, self._client._http.post(f"{API}/keys/{int(key_id)}/rotate", json=body)
         )
 
     def revoke(self, key_id: int) -> ApiKey:
-        body = self._client._http.post(f"{API}/keys/{key_id}/revoke", idempotent=True)
-        return ApiKey.model_validate(body)
+        body = self._client._http.post(f"{API}/keys/{int(key_id)}/revoke", idempotent=True)
+        return _parse(ApiKey, body)
 
 
 class Client:
@@ -349,6 +448,7 @@ class Client:
         if retries is None:
             retries = config.retries()
         assert settings.url and settings.api_key
+        self.settings = settings
         self.url = settings.url
         self._http = Transport(
             settings.url, settings.api_key, timeout=timeout, retries=retries, transport=transport
@@ -368,17 +468,17 @@ class Client:
         self._http.close()
 
     def me(self) -> Me:
-        return Me.model_validate(self._http.get(f"{API}/me"))
+        return _parse(Me, self._http.get(f"{API}/me"))
 
     def teams(self) -> list[Team]:
-        return [Team.model_validate(t) for t in self._http.paginate(f"{API}/teams")]
+        return [_parse(Team, t) for t in self._http.paginate(f"{API}/teams")]
 
     def quota(self, team: str | None = None) -> Quota:
         params = {"team": team} if team else None
-        return Quota.model_validate(self._http.get(f"{API}/quota", params=params))
+        return _parse(Quota, self._http.get(f"{API}/quota", params=params))
 
     def base_models(self) -> list[BaseModelInfo]:
-        return [BaseModelInfo.model_validate(m) for m in self._http.paginate(f"{API}/base-models")]
+        return [_parse(BaseModelInfo, m) for m in self._http.paginate(f"{API}/base-models")]
 
     def jobspec_schema(self) -> Schema:
         """The server's JobSpec schema if its OpenAPI document has one, else the shipped copy."""
@@ -393,16 +493,13 @@ class Client:
             self._schema = schema or shipped_schema()
         return self._schema
 
-    def _download(self, path: str, target: Path) -> Path:
+    def _fetch(self, path: str, out: IO[bytes]) -> None:
+        with self._http.stream(path) as response:
+            for chunk in response.iter_bytes(1 << 16):
+                out.write(chunk)
+
+    def _download(self, path: str, target: Path, *, overwrite: bool = False) -> Path:
         """Stream to a temporary file beside ``target``, then rename: no torn files."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as out, self._http.stream(path) as response:
-                for chunk in response.iter_bytes(1 << 16):
-                    out.write(chunk)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _files.new_file(target, overwrite=overwrite) as out:
+            self._fetch(path, out)
         return target

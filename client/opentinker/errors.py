@@ -6,6 +6,7 @@ Each class has the CLI exit code that reports it, so scripts can tell failures a
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Exit codes of the CLI (documented in client/README.md and `opentinker --help`).
@@ -15,6 +16,8 @@ EXIT_USAGE = 2
 EXIT_AUTH = 3
 EXIT_NOT_FOUND = 4
 EXIT_SERVER = 5
+EXIT_TIMEOUT = 6
+EXIT_INTERRUPTED = 130
 
 
 class OpenTinkerError(Exception):
@@ -51,6 +54,27 @@ class NetworkError(OpenTinkerError):
     exit_code = EXIT_SERVER
 
 
+class UnexpectedResponse(OpenTinkerError):
+    """A success status with a body that is not what the API sends: HTML from a proxy in front
+    of the server, or JSON of another shape (a ``--url`` that is not the service's root)."""
+
+    exit_code = EXIT_SERVER
+
+
+class WaitTimeout(OpenTinkerError, TimeoutError):
+    """``Job.wait`` gave up after its timeout; the job itself goes on (``job`` is the record).
+
+    Also a ``TimeoutError``, which ``wait`` raised before this class existed.
+    """
+
+    exit_code = EXIT_TIMEOUT
+
+    def __init__(self, job: Any, timeout: float) -> None:
+        self.job = job
+        self.timeout = timeout
+        super().__init__(f"job {job.id} still {job.state} after {timeout:g} s; it keeps running")
+
+
 class ApiError(OpenTinkerError):
     """The server answered with an error status."""
 
@@ -70,9 +94,24 @@ class ApiError(OpenTinkerError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        lines = [f"{self.detail} (HTTP {self.status})"]
-        lines += [f"  {e.get('field') or '(spec)'}: {e.get('reason', '')}" for e in self.errors]
-        return "\n".join(lines)
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        """The detail, then each field's reason that the detail does not already say."""
+        out = [f"{self.detail} (HTTP {self.status})"]
+        seen: set[str] = set()
+        for e in self.errors:
+            field, reason = e.get("field") or "", e.get("reason", "")
+            line = f"{field}: {reason}" if field else reason
+            if line in seen or self._said([*field.split(": "), reason]):
+                continue
+            seen.add(line)
+            out.append(f"  {line}")
+        return out
+
+    def _said(self, parts: list[str]) -> bool:
+        # Dataset rows come as "row 3: prompt"; the detail names the first as "row 3, prompt".
+        return all(re.search(rf"(?<!\w){re.escape(p)}(?!\w)", self.detail) for p in parts if p)
 
     @property
     def field(self) -> str | None:
@@ -173,7 +212,24 @@ def _flatten(body: Any, prefix: str = "") -> list[dict[str, str]]:
     return out
 
 
-def error_from_response(status: int, body: Any, text: str = "") -> ApiError:
+def summarise(text: str, limit: int = 100) -> str:
+    """A body that is not JSON (an HTML error page, usually) as one short line."""
+    plain = " ".join(re.sub(r"<[^>]*>", " ", text).split())
+    return plain if len(plain) <= limit else plain[: limit - 1] + "\u2026"
+
+
+def not_json(status: int, content_type: str, text: str) -> str:
+    """What to say about a body that should have been JSON and is not."""
+    kind = content_type.split(";")[0].strip() or "no content type"
+    # A 404 page, or a 200 page in place of JSON, is what a URL off the API's root gets.
+    hint = ": is --url the service's root?" if status == 404 or 200 <= status < 300 else ""
+    snippet = summarise(text)
+    return f"not JSON ({kind}){hint}" + (f" {snippet!r}" if snippet else "")
+
+
+def error_from_response(
+    status: int, body: Any, text: str = "", *, content_type: str = "", location: str = ""
+) -> ApiError:
     """Map an error response to the exception class a caller can catch."""
     detail = ""
     errors: list[dict[str, str]] = []
@@ -196,10 +252,18 @@ def error_from_response(status: int, body: Any, text: str = "") -> ApiError:
             errors = _flatten({k: v for k, v in body.items() if k not in ("detail",)})
             detail = "invalid request"
     elif isinstance(body, list):
-        errors = _flatten(body)
-        detail = "invalid request"
+        if all(not isinstance(item, (dict, list)) for item in body):
+            # DRF's ValidationError("message") arrives as ["message"]: the messages are the detail.
+            detail = "; ".join(str(item) for item in body)
+        else:
+            errors = _flatten(body)
+    if 300 <= status < 400:
+        # httpx does not follow redirects: say where the server points, most likely the fix.
+        detail = f"redirected to {location}" if location else "redirected"
+    elif body is None:
+        detail = not_json(status, content_type, text) if text.strip() else "empty response"
     if not detail:
-        detail = text.strip()[:200] or f"HTTP {status}"
+        detail = "invalid request" if errors else f"HTTP {status}"
     cls: type[ApiError]
     if isinstance(body, dict) and "quota" in body and status in (403, 429):
         cls = QuotaError

@@ -36,7 +36,8 @@ def fit(
     >>> fit(method="rl", env="math", dataset="add2", steps=20, rollout={"group_size": 8})
 
     Raises ``JobFailed`` if the job ends FAILED or CANCELLED, ``ValidationError`` (from the
-    server) or ``SpecError`` (unknown keyword, before anything is sent) for a bad spec.
+    server) or ``SpecError`` (unknown keyword, before anything is sent) for a bad spec, and
+    ``WaitTimeout`` after ``timeout`` seconds (the job keeps running).
     """
     own = client is None
     client = client or Client()

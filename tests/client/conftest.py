@@ -9,7 +9,7 @@ install into a virtualenv that has neither Django nor torch.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,3 +95,14 @@ def server(
 def api(live_server: Any, owner_key: tuple[Any, str], data_dir: Path) -> Server:
     """The live API server only (no worker): for calls that run no job."""
     return Server(url=live_server.url, key=owner_key[1], worker=None)
+
+
+@pytest.fixture
+def fake_api(client_config: Path) -> Iterator[Any]:
+    """A scripted stand-in for the API (tests/client/fakes.py), for the fast CLI tests."""
+    from tests.client.fakes import FakeApi
+
+    api = FakeApi()
+    stop = api.serve()
+    yield api
+    stop()
