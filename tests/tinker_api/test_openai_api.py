@@ -218,7 +218,7 @@ def test_it_answers_404_for_another_teams_job_by_id_name_and_checkpoint(
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [chr(97 + i) for i in range(17)]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tinker_api.serving.errors import ApiError
 
 MAX_CHOICES = 64
-MAX_STOP = 4
+# OpenAI allows 4; lm-eval's local-completions sends a task's stop list and the EOS text
+# untrimmed, as vLLM accepts it, so more are taken here.
+MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
 # OpenAI's default for /v1/completions (chat's default is the worker's).
