@@ -33,26 +33,10 @@ class CheckedCursorPagination(CursorPagination):
             raise ValidationError(INVALID_CURSOR)
         return cursor
 
-
-def _is_timestamp(position: str) -> bool:
-    """What this pagination writes as a position: an aware datetime the database can hold."""
-    try:
-        when = parse_datetime(position)
-        # A date at the edge of the calendar overflows once moved to UTC for the query.
-        return when is not None and when.tzinfo is not None and bool(when.astimezone(UTC))
-    except (ValueError, OverflowError):  # well-formed but impossible, e.g. month 13
-        return False
-
-
-class CreatedCursorPagination(CheckedCursorPagination):
-    ordering = "-created"
-    page_size = 50
-    page_size_query_param = "limit"
-    max_page_size = 500
-
     def get_page_size(self, request: Request) -> int:
-        """``limit`` once, an integer in [1, 500]; anything else is a 400, not silently the
-        default (a client that asked for 1000 rows must learn it gets at most 500)."""
+        """``limit`` once, an integer in [1, max_page_size]; anything else is a 400, not
+        silently the default (a client that asked for more rows than a page holds must learn
+        it gets fewer)."""
         values = request.query_params.getlist(self.page_size_query_param)
         if not values:
             return self.page_size
@@ -73,3 +57,20 @@ class CreatedCursorPagination(CheckedCursorPagination):
             if parameter["name"] == self.page_size_query_param:
                 parameter["schema"].update(minimum=1, maximum=self.max_page_size)
         return parameters
+
+
+def _is_timestamp(position: str) -> bool:
+    """What this pagination writes as a position: an aware datetime the database can hold."""
+    try:
+        when = parse_datetime(position)
+        # A date at the edge of the calendar overflows once moved to UTC for the query.
+        return when is not None and when.tzinfo is not None and bool(when.astimezone(UTC))
+    except (ValueError, OverflowError):  # well-formed but impossible, e.g. month 13
+        return False
+
+
+class CreatedCursorPagination(CheckedCursorPagination):
+    ordering = "-created"
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 500

@@ -131,8 +131,10 @@ def unpack_zip(source: str | Path, target: str | Path, *, max_bytes: int) -> Non
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                # Kept as it is: the schema check reports the bad line by its number.
+            except (ValueError, RecursionError):
+                # Kept as it is: the row check (datasets.iter_rows) reports the bad line by its
+                # number, as it does for a plain JSONL file (not JSON, nested too deeply, a
+                # number of thousands of digits).
                 out.write(line + "\n")
                 continue
             if isinstance(row, dict):

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from accounts.parsers import surrogate_at
 from environments.registry import (
     ContractError,
     frozen_opponent,
@@ -433,6 +434,10 @@ def parse_spec(data: Any) -> JobSpec:
     if model is None or isinstance(version, bool):
         known = ", ".join(str(v) for v in sorted(SPEC_VERSIONS))
         raise SpecError([{"field": "version", "reason": f"unknown spec version; known: {known}"}])
+    # pydantic cannot even report a key that holds one (it raises UnicodeEncodeError).
+    surrogate = surrogate_at(data)
+    if surrogate is not None:
+        raise SpecError([{"field": surrogate[0], "reason": surrogate[1]}])
     try:
         return model.model_validate(data)  # type: ignore[return-value]
     except ValidationError as exc:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.db import connection
-from django.http import HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from opentinker_site.errors import page_not_found
 
 
 # Exempt so that a POST gets the JSON 405 below, not the CSRF check's HTML 403 page.
@@ -24,6 +26,13 @@ def healthz(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": "ok"})
 
 
+@csrf_exempt
+def api_prefix(request: HttpRequest) -> HttpResponse:
+    """The bare prefix serves nothing: its JSON 404 here, where APPEND_SLASH would answer an
+    HTML redirect to "/api/v1/", which serves nothing either."""
+    return page_not_found(request, Http404())
+
+
 handler400 = "opentinker_site.errors.bad_request"
 handler403 = "opentinker_site.errors.permission_denied"
 handler404 = "opentinker_site.errors.page_not_found"
@@ -31,6 +40,7 @@ handler500 = "opentinker_site.errors.server_error"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1", api_prefix),
     path("api/v1/", include("opentinker_site.api")),
     # The Tinker protocol: paths fixed by the tinker SDK (create_session, asample, ...).
     path("api/v1/", include("tinker_api.urls")),

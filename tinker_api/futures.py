@@ -149,6 +149,15 @@ def dedupe(scope: str, request_id: str) -> str | None:
     return _text(existing) if existing is not None else None
 
 
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end"
+
+
+def release_dedupe(scope: str, request_id: str) -> None:
+    """Undo ``dedupe`` for a request that failed before it was queued, unless another
+    request holds the protocol id by now."""
+    _r().eval(_RELEASE, 1, f"{PREFIX}dedupe:{scope}", request_id)
+
+
 # --------------------------------------------------------------------------- streams
 
 
@@ -174,12 +183,13 @@ def enqueue(base: str, op: dict[str, Any], *, body: bytes | None = None) -> None
 
 
 # One round trip for a new request: the dedupe check (a protocol id seen before answers the
-# earlier request id and queues nothing), the future, the consumer group (created with the
-# stream, before the first message, so a worker started later reads it all) and the message.
+# earlier request id and queues nothing, unless this very request claimed it with ``dedupe``
+# before writing its rows), the future, the consumer group (created with the stream, before
+# the first message, so a worker started later reads it all) and the message.
 _SUBMIT = (
     "if ARGV[1] ~= '' then "
     "  local earlier = redis.call('GET', KEYS[3]) "
-    "  if earlier then return earlier end "
+    "  if earlier and earlier ~= ARGV[2] then return earlier end "
     "  redis.call('SET', KEYS[3], ARGV[2], 'EX', ARGV[3]) "
     "end "
     "redis.call('HSET', KEYS[1], 'team', ARGV[4], 'kind', ARGV[5], 'base', ARGV[6], "

@@ -31,6 +31,9 @@ class TinkerSession(models.Model):
     )
     tags = models.JSONField(default=list, blank=True)
     user_metadata = models.JSONField(null=True, blank=True)
+    # Given at creation, shown back by GET /sessions/{id}; nothing here groups by project.
+    display_name = models.CharField(max_length=256, blank=True)
+    project_id = models.CharField(max_length=256, blank=True)
     sdk_version = models.CharField(max_length=64, blank=True)
     created = models.DateTimeField(default=timezone.now)
     last_heartbeat = models.DateTimeField(default=timezone.now)
@@ -175,3 +178,8 @@ class Checkpoint(models.Model):
 
     def file_path(self) -> Path:
         return Path(settings.OPENTINKER_DATA_DIR) / self.file
+
+    @property
+    def written(self) -> bool:
+        """The model worker wrote its file (a row exists from its save's submission on)."""
+        return self.size_bytes is not None and self.file_path().exists()

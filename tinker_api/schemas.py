@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tinker_api.schema_limits import Name, Tags, TtlSeconds, UserMetadata
+
 
 class RequestModel(BaseModel):
     # protected_namespaces=(): the protocol has fields named model_id / model_seq_id.
@@ -34,9 +36,6 @@ MAX_ID = 2**63 - 1
 Id = Annotated[int, Field(ge=0, le=MAX_ID)]
 # Seeds reach torch's generators and a BigIntegerField: signed 64-bit as well.
 Seed = Annotated[int, Field(ge=-(2**63), le=MAX_ID)]
-# A TTL past this is "never"; a larger one overflows the datetime it is added to.
-MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
-TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_SECONDS)]
 
 # What one request may ask a model worker to hold. Every sample of every queued request runs
 # in one generation batch of the shared worker, so one request must not be able to exhaust
@@ -148,11 +147,11 @@ class ClientConfigRequest(RequestModel):
 
 
 class CreateSessionRequest(RequestModel):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
+    tags: Tags = Field(default_factory=list)
+    user_metadata: UserMetadata | None = None
     sdk_version: str
-    project_id: str | None = None
-    display_name: str | None = None
+    project_id: Name | None = None
+    display_name: Name | None = None
 
 
 class SessionHeartbeatRequest(RequestModel):
@@ -190,7 +189,7 @@ class CreateModelRequest(RequestModel):
     session_id: str
     model_seq_id: Id
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
@@ -233,7 +232,7 @@ class SaveWeightsRequest(RequestModel):
     seq_id: Id | None = None
     ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
 
 
 class SaveWeightsExternalRequest(RequestModel):
@@ -255,7 +254,7 @@ class SaveWeightsForSamplerRequest(RequestModel):
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: Id | None = None
     ttl_seconds: TtlSeconds | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
 
     @model_validator(mode="after")
     def _named_or_session(self) -> SaveWeightsForSamplerRequest:
@@ -274,7 +273,7 @@ class LoadWeightsRequest(RequestModel):
     session_id: str | None = None
     model_seq_id: Id | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     path: str
     optimizer: bool
     optimizer_config: OptimizerConfig | None = None

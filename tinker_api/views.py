@@ -73,7 +73,9 @@ def endpoint(*methods: str, auth: bool = True) -> Callable[..., Any]:
         @wraps(fn)
         def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             if request.method not in methods:
-                return _json(405, {"detail": f"method {request.method} not allowed"})
+                refused = _json(405, {"detail": f"method {request.method} not allowed"})
+                refused["Allow"] = ", ".join(methods)
+                return refused
             caller = None
             if auth:
                 try:
@@ -281,6 +283,8 @@ def cancel_future(request: HttpRequest, caller: Caller) -> HttpResponse:
 
 # Far past any list, and offset + limit still fits the databases' signed 64-bit OFFSET.
 MAX_OFFSET = 2**62
+# A larger limit is served as this one (PROTOCOL.md): the answer's cursor says so.
+MAX_LIMIT = 1000
 
 
 def _page(request: HttpRequest) -> tuple[int, int]:
@@ -290,9 +294,11 @@ def _page(request: HttpRequest) -> tuple[int, int]:
             values[name] = int(request.GET.get(name, default))
         except ValueError:
             raise wire.WireError(f"{name} must be an integer") from None
+    if values["limit"] < 1:
+        raise wire.WireError(f"limit must be an integer of 1 or more (at most {MAX_LIMIT} served)")
     if not 0 <= values["offset"] <= MAX_OFFSET:
         raise wire.WireError(f"offset must be an integer between 0 and {MAX_OFFSET}")
-    return max(1, min(values["limit"], 1000)), values["offset"]
+    return min(values["limit"], MAX_LIMIT), values["offset"]
 
 
 @endpoint("GET")
@@ -350,7 +356,7 @@ def checkpoint_ttl(
 @endpoint("POST")
 def weights_info(request: HttpRequest, caller: Caller) -> HttpResponse:
     req = wire.parse_json(s.WeightsInfoRequest, _body(request))
-    ckpt = services.get_checkpoint(caller, req.tinker_path)
+    ckpt = services.written_checkpoint(caller, req.tinker_path)
     m = ckpt.model
     return _ok(
         s.WeightsInfoResponse(

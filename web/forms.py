@@ -20,6 +20,20 @@ from .spec_form import METHOD_HELP, SpecFields
 UPLOAD = "__upload__"
 
 
+class SpecYamlLoader(yaml.SafeLoader):
+    """YAML without aliases. A spec never needs one, and an alias is what builds a cyclic
+    structure (``a: &a [*a]``, which every later walk of the spec follows forever) or a
+    "billion laughs" expansion of a few lines into billions of nodes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "YAML aliases (*name) are not accepted in a spec", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
 def env_choices() -> list[tuple[str, str]]:
     out = [("", "— none (smoke jobs) —")]
     for name in env_names():
@@ -129,12 +143,17 @@ class YamlJobForm(forms.Form):
         if data.get("spec_file"):
             raw = data["spec_file"].read(1_000_000).decode("utf-8", errors="replace")
         try:
-            spec = yaml.safe_load(raw)
+            spec = yaml.load(raw, Loader=SpecYamlLoader)
         except yaml.YAMLError as exc:
             self.add_error("spec_yaml", f"not valid YAML: {exc}")
             return data
         except RecursionError:
             spec = None
+        except ValueError as exc:
+            # Python's own guards, not YAML errors: an integer of thousands of digits, a date
+            # such as 2024-13-45.
+            self.add_error("spec_yaml", f"not valid YAML: a value cannot be read: {exc}")
+            return data
         if not isinstance(spec, dict):
             self.add_error("spec_yaml", "the spec must be a mapping such as `method: smoke`")
             return data

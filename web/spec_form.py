@@ -18,6 +18,7 @@ from typing import Any
 
 from django import forms
 
+from accounts.parsers import MAX_JSON_DEPTH, json_depth
 from jobs import spec as spec_module
 from jobs.spec import JobSpec
 
@@ -142,11 +143,17 @@ def _json_or_text(raw: str, prop: dict[str, Any]) -> Any:
     variants, _ = _variants(prop)
     text_ok = any(v.get("type") == "string" for v in variants)
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+        value = json.loads(raw)
+    except RecursionError:
+        raise forms.ValidationError("not valid JSON: nested too deeply") from None
+    except ValueError:
+        # A JSONDecodeError, or Python's guard on an integer of thousands of digits.
         if text_ok:
             return raw
         raise forms.ValidationError('enter JSON, e.g. [0.9, 0.95] or {"key": 1}') from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise forms.ValidationError(f"not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 class SpecFields:

@@ -55,3 +55,9 @@ def test_it_keeps_plain_pages_for_the_web_ui():
     assert response.status_code == 404
     assert response["Content-Type"].startswith("text/html")
     assert b"Traceback" not in response.content
+
+
+@pytest.mark.parametrize("method", ["get", "post"])
+def test_it_answers_the_bare_api_prefix_with_json_404_not_a_redirect(owner_client, method):
+    response = getattr(owner_client, method)("/api/v1")
+    assert _json_error(response, 404) == f"no endpoint {method.upper()} /api/v1"

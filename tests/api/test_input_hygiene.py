@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from accounts.models import ApiKey
 from jobs.models import Job
 
 pytestmark = pytest.mark.django_db
@@ -124,3 +125,46 @@ def test_it_follows_the_cursors_it_wrote(owner_client):
     assert second.status_code == 200 and len(second.json()["results"]) == 1
     back = owner_client.get(second.json()["previous"])
     assert back.status_code == 200 and back.json()["results"] == first["results"]
+
+
+def _surrogate_bodies(owner_client, owner_key) -> list[tuple[str, dict]]:
+    job = owner_client.post(JOBS, {"spec": {"method": "smoke"}}, format="json").json()
+    return [
+        (JOBS, {"\ud800": 1, "spec": {"method": "smoke"}}),
+        (JOBS, {"kind": "\ud800", "spec": {"method": "smoke"}}),
+        (JOBS, {"spec": {"method": "rl", "env": "bandit", "env_config": {"\ud800": 1}}}),
+        (JOBS, {"name": "a\udfffb", "spec": {"method": "smoke"}}),
+        (f"{KEYS}/{owner_key[0].pk}/rotate", {"\ud800": 1}),
+        (f"{JOBS}/{job['id']}/sample", {"messages": [{"role": "\ud800", "content": "x"}]}),
+    ]
+
+
+def test_it_answers_a_lone_surrogate_with_a_json_400_naming_where(owner_client, owner_key):
+    expected = ["the body: a key", "kind", "spec.env_config: a key", "name", "the body", "role"]
+    for (url, body), where in zip(_surrogate_bodies(owner_client, owner_key), expected):
+        # json.dumps writes the surrogate as the \ud800 escape a client would send.
+        response = _post_raw(owner_client, url, json.dumps(body))
+        assert response.status_code == 400, (url, response.content)
+        detail = response.content.decode("utf-8")
+        assert where in detail and "surrogate" in detail, (url, detail)
+    assert Job.objects.count() == 1
+    assert ApiKey.objects.count() == 1 and ApiKey.objects.get().expires_at is None
+
+
+def test_it_renders_an_answer_that_echoes_a_lone_surrogate_as_json():
+    from accounts.renderers import SurrogateSafeJSONRenderer
+
+    rendered = SurrogateSafeJSONRenderer().render({"\ud800": ["unknown field"], "ok": "é"})
+    assert json.loads(rendered) == {"\ud800": ["unknown field"], "ok": "é"}
+    # Answers without one keep their characters unescaped.
+    assert SurrogateSafeJSONRenderer().render({"ok": "é"}) == '{"ok":"é"}'.encode()
+
+
+@pytest.mark.parametrize("limit", ["abc", "-1", "0", "100000", "1.5", ""])
+def test_it_refuses_a_bad_limit_on_the_event_log_as_on_every_list(owner_client, limit):
+    job = owner_client.post(JOBS, {"spec": {"method": "smoke"}}, format="json").json()
+    for url, most in ((f"{JOBS}/{job['id']}/events", 1000), (JOBS, 500)):
+        response = owner_client.get(url, {"limit": limit})
+        assert response.status_code == 400, (url, response.content)
+        assert response.json() == {"limit": [f"must be an integer in [1, {most}]."]}
+    assert owner_client.get(f"{JOBS}/{job['id']}/events", {"limit": 1000}).status_code == 200

@@ -117,3 +117,22 @@ def test_it_stops_reading_an_archive_that_unpacks_past_the_limit(team, owner, da
         store(team, owner, content)
     assert "more than the dataset limit" in exc.value.detail
     assert leftovers(data_dir) == [] and not Dataset.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        (b'{"problem": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (b'{"problem": "x?", "answer": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
+    ],
+)
+def test_it_names_a_zipped_row_it_cannot_read_as_the_plain_jsonl_path_does(
+    team, owner, data_dir, line, reason
+):
+    (picture,) = _pictures(1)
+    rows = _jsonl([{"images": ["a.png"], "problem": "x?", "answer": "1"}]) + line + b"\n"
+    with pytest.raises(DatasetRejected) as exc:
+        store(team, owner, _zip({"rows.jsonl": rows, "a.png": picture}))
+    first = exc.value.errors[0]
+    assert first["row"] == 2 and reason in first["reason"], exc.value.errors
+    assert leftovers(data_dir) == [] and not Dataset.objects.exists()

@@ -427,6 +427,15 @@ def test_it_refuses_malformed_bodies_with_the_right_status() -> None:
             bomb, content_type=wire.PROTOBUF, content_encoding="zstd", max_decoded_bytes=50_000
         )
     assert err.value.status == 413 and len(bomb) < 1000
+    # The same without the content size in its frame header: still 413, not "not valid zstd".
+    sizeless = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 100_000)
+    with pytest.raises(wire.WireError) as err:
+        wire.decompress(sizeless, "zstd", max_bytes=50_000)
+    assert err.value.status == 413 and "expands past the 50000-byte limit" in str(err.value)
+    assert len(wire.decompress(sizeless, "zstd", max_bytes=100_000)) == 100_000
+    with pytest.raises(wire.WireError, match="not valid zstd") as err:
+        wire.decompress(sizeless[:-3], "zstd", max_bytes=200_000)
+    assert err.value.status == 400
     with pytest.raises(
         wire.WireError, match="invalid ForwardBackwardRequestJson: forward_backward_input"
     ):

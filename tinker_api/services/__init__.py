@@ -26,6 +26,7 @@ from tinker_api.services.lookups import (
     get_checkpoint,
     get_model,
     get_sampling_session,
+    written_checkpoint,
 )
 from tinker_api.services.polling import PollAnswer, retrieve
 from tinker_api.services.queue import refuse_unparsed
@@ -77,4 +78,5 @@ __all__ = [
     "set_checkpoint_public",
     "set_checkpoint_ttl",
     "training_run",
+    "written_checkpoint",
 ]

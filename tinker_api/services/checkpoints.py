@@ -8,13 +8,14 @@ import shutil
 from datetime import timedelta
 from typing import Any
 
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from tinker_api import schemas as s
 from tinker_api import wire
 from tinker_api.models import Checkpoint, SamplingSession, TrainingModel
 from tinker_api.services.lookups import Caller, get_checkpoint, get_model
-from tinker_api.services.queue import ordered, submit
+from tinker_api.services.queue import Turn, ordered, submit
 
 # Names the SDK puts into tinker:// paths: no "/" and nothing that walks up a directory.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -28,6 +29,13 @@ def _checkpoint_file(model: TrainingModel, kind: str, name: str) -> str:
     return f"tinker/{model.team_id}/{model.id}/{folder}/{name}{suffix}"
 
 
+def check_name(name: str) -> None:
+    if not _NAME.match(name):
+        raise wire.WireError(
+            f"invalid checkpoint name {name!r}: letters, digits, '.', '_' and '-', 1-200 chars"
+        )
+
+
 def _new_checkpoint(
     model: TrainingModel,
     kind: str,
@@ -36,35 +44,47 @@ def _new_checkpoint(
     ttl_seconds: int | None,
     overwrite: bool,
     user_metadata: dict[str, str] | None,
-    seq: int | None,
+    seq: int,
 ) -> Checkpoint:
-    if not _NAME.match(name):
-        raise wire.WireError(
-            f"invalid checkpoint name {name!r}: letters, digits, '.', '_' and '-', 1-200 chars"
-        )
+    """The row of a save, written once every check of its request has passed and its seq_id
+    is claimed (``Turn.claim``): a refused or deduplicated save writes nothing."""
+    check_name(name)
     existing = Checkpoint.objects.filter(model=model, kind=kind, name=name).first()
-    if existing is not None:
-        # A retried submission of the same request reuses its row.
-        if overwrite or (existing.user_metadata or {}).get("_seq") == str(seq):
-            existing.delete()
-        else:
-            raise wire.WireError(f"checkpoint {existing.tinker_path} exists; pass overwrite")
+    if existing is not None and not (
+        # A resubmission whose claim had expired reuses the row of its first submission.
+        overwrite or (existing.user_metadata or {}).get("_seq") == str(seq)
+    ):
+        raise wire.WireError(f"checkpoint {existing.tinker_path} exists; pass overwrite")
     expires = timezone.now() + timedelta(seconds=ttl_seconds) if ttl_seconds else None
-    return Checkpoint.objects.create(
-        model=model,
-        team_id=model.team_id,
-        kind=kind,
-        name=name,
-        file=_checkpoint_file(model, kind, name),
-        expires_at=expires,
-        user_metadata={**(user_metadata or {}), "_seq": str(seq)},
-    )
+    try:
+        with transaction.atomic():
+            if existing is not None:
+                existing.delete()
+            return Checkpoint.objects.create(
+                model=model,
+                team_id=model.team_id,
+                kind=kind,
+                name=name,
+                file=_checkpoint_file(model, kind, name),
+                expires_at=expires,
+                user_metadata={**(user_metadata or {}), "_seq": str(seq)},
+            )
+    except IntegrityError:
+        # Another save of the same name, with another seq_id, got there first.
+        raise wire.WireError(
+            f"checkpoint tinker://{model.id}/{Checkpoint(kind=kind).segment}/{name} exists; "
+            "pass overwrite"
+        ) from None
 
 
 def save_weights(caller: Caller, req: s.SaveWeightsRequest) -> str:
     model = get_model(caller, req.model_id)
-    name = req.path or f"step-{req.seq_id}"
-    with ordered(caller, model, req.seq_id):
+    with ordered(caller, model, req.seq_id) as turn:
+        name = req.path or f"step-{turn.seq}"
+        check_name(name)
+        earlier = turn.claim()
+        if earlier is not None:
+            return earlier
         ckpt = _new_checkpoint(
             model,
             Checkpoint.Kind.TRAINING,
@@ -72,52 +92,60 @@ def save_weights(caller: Caller, req: s.SaveWeightsRequest) -> str:
             ttl_seconds=req.ttl_seconds,
             overwrite=req.overwrite,
             user_metadata=req.user_metadata,
-            seq=req.seq_id,
+            seq=turn.seq,
         )
-    return submit(caller, model, req.seq_id, {"op": "save_state", "checkpoint": ckpt.pk})
+    op = {"op": "save_state", "checkpoint": ckpt.pk}
+    return submit(caller, model, turn.seq, op, turn=turn)
 
 
 def save_weights_for_sampler(caller: Caller, req: s.SaveWeightsForSamplerRequest) -> str:
     model = get_model(caller, req.model_id)
-    with ordered(caller, model, req.seq_id):
-        return _save_weights_for_sampler(caller, model, req)
+    with ordered(caller, model, req.seq_id) as turn:
+        if req.path is not None:
+            check_name(req.path)
+        earlier = turn.claim()
+        if earlier is not None:
+            return earlier
+        op = _sampler_rows(caller, model, req, turn)
+    return submit(caller, model, turn.seq, op, turn=turn)
 
 
-def _save_weights_for_sampler(
-    caller: Caller, model: TrainingModel, req: s.SaveWeightsForSamplerRequest
-) -> str:
+def _sampler_rows(
+    caller: Caller, model: TrainingModel, req: s.SaveWeightsForSamplerRequest, turn: Turn
+) -> dict[str, Any]:
+    """The rows of a sampler save (its checkpoint, and the sampling session an unnamed save
+    creates); the model worker's op."""
     op: dict[str, Any] = {"op": "save_sampler"}
-    if req.path is not None:
-        name = req.path
-    else:
-        # "inflight" saves are marked by name: each one also moves the model's earlier
-        # inflight sampling sessions onto its weights (record_sampler_saved).
-        prefix = INFLIGHT_PREFIX if req.kind == "inflight" else "session-"
-        name = f"{prefix}{req.sampling_session_seq_id}-seq-{req.seq_id}"
-        sampling_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-        SamplingSession.objects.get_or_create(
-            id=sampling_id,
-            defaults={
-                "session_id": model.session_id,
-                "team_id": caller.team_id,
-                "base_model": model.base_model,
-            },
-        )
-        op["sampling_session_id"] = sampling_id
     ckpt = _new_checkpoint(
         model,
         Checkpoint.Kind.SAMPLER,
-        name,
+        req.path if req.path is not None else _unnamed_sampler(model, req, turn.seq),
         ttl_seconds=req.ttl_seconds,
         overwrite=req.path is None,
         user_metadata=req.user_metadata,
-        seq=req.seq_id,
+        seq=turn.seq,
     )
     if req.path is None:
-        SamplingSession.objects.filter(pk=op["sampling_session_id"]).update(
-            model_path=ckpt.tinker_path
+        sampling_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
+        SamplingSession.objects.update_or_create(
+            id=sampling_id,
+            defaults={"model_path": ckpt.tinker_path},
+            create_defaults={
+                "session_id": model.session_id,
+                "team_id": caller.team_id,
+                "base_model": model.base_model,
+                "model_path": ckpt.tinker_path,
+            },
         )
-    return submit(caller, model, req.seq_id, {**op, "checkpoint": ckpt.pk})
+        op["sampling_session_id"] = sampling_id
+    return {**op, "checkpoint": ckpt.pk}
+
+
+def _unnamed_sampler(model: TrainingModel, req: s.SaveWeightsForSamplerRequest, seq: int) -> str:
+    # "inflight" saves are marked by name: each one also moves the model's earlier inflight
+    # sampling sessions onto its weights (record_sampler_saved).
+    prefix = INFLIGHT_PREFIX if req.kind == "inflight" else "session-"
+    return f"{prefix}{req.sampling_session_seq_id}-seq-{seq}"
 
 
 def record_state_saved(checkpoint_pk: int, *, size_bytes: int, step: int) -> None:

@@ -15,7 +15,7 @@ from django.utils import timezone
 from tinker_api import schemas as s
 from tinker_api import wire
 from tinker_api.models import Checkpoint
-from tinker_api.services.checkpoints import _checkpoint_by_id, _new_checkpoint
+from tinker_api.services.checkpoints import _checkpoint_by_id, _new_checkpoint, check_name
 from tinker_api.services.lookups import Caller, NotFound, get_model
 from tinker_api.services.queue import ordered, submit
 
@@ -38,8 +38,12 @@ def _check_recipients(recipients: list[str]) -> None:
 
 def save_weights_external(caller: Caller, req: s.SaveWeightsExternalRequest) -> str:
     model = get_model(caller, req.model_id)
-    with ordered(caller, model, req.seq_id):
+    with ordered(caller, model, req.seq_id) as turn:
         _check_recipients(req.age_encryption_recipients or [])
+        check_name(req.path)
+        earlier = turn.claim()
+        if earlier is not None:
+            return earlier
         ckpt = _new_checkpoint(
             model,
             Checkpoint.Kind.EXTERNAL,
@@ -47,17 +51,18 @@ def save_weights_external(caller: Caller, req: s.SaveWeightsExternalRequest) -> 
             ttl_seconds=req.ttl_seconds,
             overwrite=False,
             user_metadata=None,
-            seq=req.seq_id,
+            seq=turn.seq,
         )
     return submit(
         caller,
         model,
-        req.seq_id,
+        turn.seq,
         {
             "op": "save_external",
             "checkpoint": ckpt.pk,
             "recipients": req.age_encryption_recipients or [],
         },
+        turn=turn,
     )
 
 

@@ -82,3 +82,12 @@ def get_checkpoint(caller: Caller, path: str) -> Checkpoint:
     if row is None or (row.expires_at is not None and row.expires_at <= timezone.now()):
         raise NotFound(f"unknown checkpoint {path}")
     return row
+
+
+def written_checkpoint(caller: Caller, path: str) -> Checkpoint:
+    """``get_checkpoint`` of a checkpoint whose file is on disk: one whose save is still
+    queued, or failed, has nothing to describe or load yet."""
+    row = get_checkpoint(caller, path)
+    if not row.written:
+        raise NotFound(f"unknown checkpoint {path}: its save has not been written")
+    return row

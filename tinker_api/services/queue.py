@@ -6,6 +6,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -62,23 +63,35 @@ def ensure_worker(base: str) -> s.QueueState:
     return "active"
 
 
-def refuse(caller: Caller, model: TrainingModel, seq: int | None, error: wire.WireError) -> None:
+def refuse(
+    caller: Caller,
+    model: TrainingModel,
+    seq: int | None,
+    error: wire.WireError,
+    *,
+    request_id: str | None = None,
+) -> None:
     """Record a request refused at submission as a failed future under its seq_id, and tell
     the model worker to step past it: the SDK has spent that seq_id, and the model's next
     request would otherwise wait for it forever. A seq_id already submitted keeps its
-    earlier request (a resubmission refused now does not undo it)."""
+    earlier request (a resubmission refused now does not undo it); ``request_id`` is the
+    id this request claimed the seq_id with (``Turn.claim``), if it did."""
     if seq is None or not 1 <= seq <= s.MAX_ID:
         return
-    request_id = futures.new_request_id()
+    request_id = request_id or futures.new_request_id()
     answer = futures.submit(
         request_id,
         {"op": "skip", "rid": request_id, "model": model.id, "seq": seq},
         team_id=caller.team_id,
         base=model.base_model,
-        dedupe_scope=f"seq:{model.id}:{seq}",
+        dedupe_scope=_scope(model, seq),
     )
     if answer == request_id:
         futures.fail(request_id, json.dumps(error.body()), "user")
+
+
+def _scope(model: TrainingModel, seq: int) -> str:
+    return f"seq:{model.id}:{seq}"
 
 
 def refuse_unparsed(
@@ -94,17 +107,56 @@ def refuse_unparsed(
         refuse(caller, model, seq, error)
 
 
+@dataclass
+class Turn:
+    """The seq_id of one ordered request of a model (``ordered``)."""
+
+    model: TrainingModel
+    seq: int
+    # Set by ``claim``: the id the request holds its seq_id with, before it is queued.
+    request_id: str | None = None
+
+    def claim(self) -> str | None:
+        """Hold this seq_id for this request before anything of it is written; returns the
+        request id of an earlier request that holds it already (a resubmission, or another
+        request sent with the same seq_id), which answers for this one: it must write
+        nothing (a checkpoint row of a save that never runs would resolve as a path)."""
+        request_id = futures.new_request_id()
+        earlier = futures.dedupe(_scope(self.model, self.seq), request_id)
+        if earlier is None:
+            self.request_id = request_id
+        return earlier
+
+
+def check_seq(seq: int | None) -> int:
+    """The seq_id of an ordered request: the SDK numbers a model's requests from 1, and 0
+    is its creation's (``create_model``, ``load_weights``), whose answer it would get."""
+    if seq is None:
+        raise wire.WireError("seq_id is required")
+    if seq < 1:
+        raise wire.WireError("seq_id must be 1 or more (0 is the model's creation)")
+    return seq
+
+
 @contextmanager
-def ordered(caller: Caller, model: TrainingModel, seq: int | None) -> Iterator[None]:
-    """Checks of a request that carries ``seq``: a refusal still advances the model's
-    sequence (``refuse``) before it answers the client."""
+def ordered(caller: Caller, model: TrainingModel, seq: int | None) -> Iterator[Turn]:
+    """Checks of a request that carries ``seq``, which is checked first: a refusal still
+    advances the model's sequence (``refuse``) before it answers the client."""
+    turn = Turn(model, seq or 0)
     try:
-        yield
+        turn.seq = check_seq(seq)
+        yield turn
     except NotFound as exc:
-        refuse(caller, model, seq, wire.WireError(str(exc), status=404))
+        refuse(caller, model, seq, wire.WireError(str(exc), status=404), request_id=turn.request_id)
         raise
     except wire.WireError as exc:
-        refuse(caller, model, seq, exc)
+        refuse(caller, model, seq, exc, request_id=turn.request_id)
+        raise
+    except Exception:
+        # A failure of the server's own (a 500): a retry of the request must run it again,
+        # not find a claimed seq_id that nothing answers.
+        if turn.request_id is not None:
+            futures.release_dedupe(_scope(model, turn.seq), turn.request_id)
         raise
 
 
@@ -115,20 +167,22 @@ def submit(
     op: dict[str, Any],
     *,
     body: bytes | None = None,
+    turn: Turn | None = None,
 ) -> str:
-    """Queue one ordered request of ``model``; a duplicate seq_id answers the first future."""
+    """Queue one ordered request of ``model``; a duplicate seq_id answers the first future.
+    With a ``turn`` that claimed the seq_id, the request is queued under the claimed id."""
     if seq is None:
         raise wire.WireError("seq_id is required")
     if seq < 0:
         raise wire.WireError("seq_id must not be negative")
-    request_id = futures.new_request_id()
+    request_id = (turn.request_id if turn else None) or futures.new_request_id()
     answer = futures.submit(
         request_id,
         {**op, "rid": request_id, "model": model.id, "seq": seq},
         team_id=caller.team_id,
         base=model.base_model,
         body=body,
-        dedupe_scope=f"seq:{model.id}:{seq}",
+        dedupe_scope=_scope(model, seq),
     )
     if answer != request_id:
         return answer

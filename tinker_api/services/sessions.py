@@ -23,6 +23,8 @@ def create_session(caller: Caller, req: s.CreateSessionRequest) -> TinkerSession
         api_key=caller.key,
         tags=req.tags,
         user_metadata=req.user_metadata,
+        display_name=req.display_name or "",
+        project_id=req.project_id or "",
         sdk_version=req.sdk_version[:64],
     )
 
@@ -88,6 +90,7 @@ def session_info(caller: Caller, session_id: str) -> s.GetSessionResponse:
         training_run_ids=list(session.models.values_list("id", flat=True)),
         sampler_ids=list(session.sampling_sessions.values_list("id", flat=True)),
         user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
+        display_name=session.display_name or None,
     )
 
 

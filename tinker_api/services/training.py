@@ -22,6 +22,7 @@ from tinker_api.services.lookups import (
     get_checkpoint,
     get_model,
     live_session,
+    written_checkpoint,
 )
 from tinker_api.services.queue import ordered, refuse_unparsed, submit
 from workers import conf
@@ -103,7 +104,11 @@ def _model_once(caller: Caller, session: Any, model_id: str, **fields: Any) -> T
                 **fields,
             )
     except IntegrityError:
-        return TrainingModel.objects.get(pk=model_id)
+        # Another request created it first; any other integrity error is not ours to hide.
+        existing = TrainingModel.objects.filter(pk=model_id).first()
+        if existing is None:
+            raise
+        return existing
 
 
 def get_info(caller: Caller, model_id: str) -> s.GetInfoResponse:
@@ -203,24 +208,28 @@ def _check_no_token(req: s.LoadWeightsRequest) -> None:
         )
 
 
-def _training_state(caller: Caller, path: str) -> Checkpoint:
+def _training_state(caller: Caller, path: str, *, into: TrainingModel | None = None) -> Checkpoint:
+    """The training state at ``path``, written. Loaded ``into`` the model that saves it, it
+    may still be queued: that model's worker runs the save before the load (seq_id order)."""
     ckpt = get_checkpoint(caller, path)
     if ckpt.kind != Checkpoint.Kind.TRAINING:
         raise wire.WireError(f"{path} holds sampler weights; load a tinker://.../weights/ path")
-    return ckpt
+    if into is not None and ckpt.model_id == into.id and ckpt.size_bytes is None:
+        return ckpt
+    return written_checkpoint(caller, path)
 
 
 def load_weights(caller: Caller, req: s.LoadWeightsRequest) -> tuple[str, str]:
     """(request_id, model_id): into an existing model (legacy) or a new one from the state."""
     if not req.creates_model:
         model = get_model(caller, req.model_id or "")
-        with ordered(caller, model, req.seq_id):
+        with ordered(caller, model, req.seq_id) as turn:
             _check_no_token(req)
-            file = str(_training_state(caller, req.path).file_path())
+            file = str(_training_state(caller, req.path, into=model).file_path())
         rid = submit(
             caller,
             model,
-            req.seq_id,
+            turn.seq,
             {"op": "load", "file": file, "optimizer": req.optimizer, "path": req.path},
         )
         return rid, model.id

@@ -69,6 +69,12 @@ def decompress(
         try:
             raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
         except zstandard.ZstdError as exc:
+            # A frame that does not state its size stops at max_bytes with the same error
+            # as a truncated one: inflate it again, no further than one byte past the limit.
+            if size < 0 and _inflates_past(body, max_bytes):
+                raise WireError(
+                    f"body expands past the {max_bytes}-byte limit", status=413
+                ) from None
             raise WireError(f"body is not valid zstd: {exc}") from None
     else:
         raise WireError(
@@ -77,6 +83,14 @@ def decompress(
     if len(raw) > max_bytes:
         raise WireError(f"body is {len(raw)} bytes, over the {max_bytes}-byte limit", status=413)
     return raw
+
+
+def _inflates_past(body: bytes, max_bytes: int) -> bool:
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            return len(reader.read(max_bytes + 1)) > max_bytes
+    except zstandard.ZstdError:
+        return False
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

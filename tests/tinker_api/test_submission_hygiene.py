@@ -1,0 +1,209 @@
+"""What a Tinker request may store, and what a refused or deduplicated one leaves behind:
+nothing. Raw HTTP, no model worker (every future stays queued)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from tests.tinker_api.conftest import BASE_NAME
+from tests.tinker_api.test_protocol import api, new_model, new_session
+from tinker_api import futures
+from tinker_api.models import Checkpoint, SamplingSession, TinkerSession, TrainingModel
+from tinker_api.schema_limits import MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, MAX_TAGS
+from tinker_api.services import checkpoints
+
+pytestmark = pytest.mark.usefixtures("clean_tinker_keys", "tinker_data_dir")
+
+
+def raw(client: Client, key: str, path: str, body: str) -> Any:
+    return client.post(
+        f"/api/v1/{path}", body, content_type="application/json", HTTP_X_API_KEY="tml-" + key
+    )
+
+
+def queued(redis_client: Any) -> int:
+    return int(redis_client.xlen(futures.stream_key(BASE_NAME)))
+
+
+def rows(model_id: str) -> list[tuple[str, int]]:
+    return sorted(Checkpoint.objects.filter(model_id=model_id).values_list("name", "pk"))
+
+
+def test_a_save_refused_for_its_seq_id_changes_nothing(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    client, key = Client(), owner_key[1]
+    _, model_id = new_model(client, key, new_session(client, key))
+    assert api(client, key, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "keep"})
+    before, stream = rows(model_id), queued(redis_client)
+    for seq, reason in ((None, "seq_id is required"), (0, "seq_id must be 1 or more")):
+        for path, body in (
+            ("save_weights", {"path": "keep", "overwrite": True}),
+            ("save_weights_for_sampler", {"path": "keep"}),
+            ("save_weights_for_sampler", {"sampling_session_seq_id": 7}),
+            ("save_weights_external", {"path": "keep"}),
+            ("optim_step", {"adam_params": {}}),
+        ):
+            sent = {"model_id": model_id, **body} | ({} if seq is None else {"seq_id": seq})
+            res = api(client, key, path, sent)
+            assert res.status_code == 400 and reason in res.json()["detail"], (path, res.content)
+    assert rows(model_id) == before and queued(redis_client) == stream
+    assert not SamplingSession.objects.exists()
+
+
+def test_a_reused_seq_id_answers_its_first_request_and_writes_nothing(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    client, key = Client(), owner_key[1]
+    _, model_id = new_model(client, key, new_session(client, key))
+    two = {"model_id": model_id, "seq_id": 2}
+    first = api(client, key, "save_weights", {**two, "path": "two"}).json()["request_id"]
+    before, stream = rows(model_id), queued(redis_client)
+    for path, body in (
+        ("save_weights", {"path": "two"}),  # a retry
+        ("save_weights", {"path": "two-b"}),
+        ("save_weights", {"path": "two", "overwrite": True}),
+        ("save_weights_for_sampler", {"path": "two-c"}),
+        ("save_weights_for_sampler", {"sampling_session_seq_id": 3}),
+        ("save_weights_external", {"path": "two-d"}),
+    ):
+        res = api(client, key, path, {**two, **body})
+        assert res.status_code == 200 and res.json()["request_id"] == first, (path, body)
+    assert rows(model_id) == before and queued(redis_client) == stream
+    assert not SamplingSession.objects.exists()
+
+    # A refusal after the seq_id was claimed lands on the claimed id: the seq_id is spent.
+    taken = api(client, key, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "two"})
+    assert taken.status_code == 400 and "exists; pass overwrite" in taken.json()["detail"]
+    rid = redis_client.get(f"{futures.PREFIX}dedupe:seq:{model_id}:3").decode()
+    failed = api(client, key, "retrieve_future", {"request_id": rid}).json()
+    assert failed["category"] == "user" and "exists" in failed["error"]
+    assert rows(model_id) == before and queued(redis_client) == stream + 1
+
+
+def test_a_checkpoint_resolves_once_its_file_is_written(
+    tinker_base: Any, owner_key: tuple[Any, str]
+) -> None:
+    client, key = Client(), owner_key[1]
+    session_id = new_session(client, key)
+    _, model_id = new_model(client, key, session_id)
+    api(client, key, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "s"})
+    path = f"tinker://{model_id}/weights/s"
+    load = {"session_id": session_id, "model_seq_id": 1, "path": path, "optimizer": False}
+    assert api(client, key, "weights_info", {"tinker_path": path}).status_code == 404
+    assert api(client, key, "load_weights", load).status_code == 404
+    assert not TrainingModel.objects.filter(pk=f"{session_id}:train:1").exists()
+    # Into the model that saves it, a queued state loads after its save (seq_id order).
+    legacy = {"model_id": model_id, "seq_id": 2, "path": path, "optimizer": False}
+    assert api(client, key, "load_weights", legacy).status_code == 200
+
+    ckpt = Checkpoint.objects.get(model_id=model_id, name="s")
+    ckpt.file_path().parent.mkdir(parents=True)
+    ckpt.file_path().write_bytes(b"state")
+    checkpoints.record_state_saved(ckpt.pk, size_bytes=5, step=0)
+    info = api(client, key, "weights_info", {"tinker_path": path})
+    assert info.status_code == 200 and info.json()["base_model"] == BASE_NAME
+    assert api(client, key, "load_weights", load).status_code == 200
+    ckpt.file_path().unlink()
+    assert api(client, key, "weights_info", {"tinker_path": path}).status_code == 404
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400", "1", "true", "null"])
+def test_it_refuses_user_metadata_that_is_not_text(
+    tinker_base: Any, owner_key: tuple[Any, str], value: str
+) -> None:
+    client, key = Client(), owner_key[1]
+    session_id = new_session(client, key)
+    meta = '{"user_metadata": {"a": "ok", "b": ' + value + "}"
+    for path, rest in (
+        ("create_session", '"sdk_version": "0.38.0"'),
+        (
+            "create_model",
+            f'"session_id": "{session_id}", "model_seq_id": 0, "base_model": "{BASE_NAME}"',
+        ),
+    ):
+        res = raw(client, key, path, f"{meta}, {rest}}}")
+        assert res.status_code == 400, (path, res.content)
+        assert "user_metadata.b: Input should be a valid string" in res.json()["detail"]
+    assert TinkerSession.objects.count() == 1 and not TrainingModel.objects.exists()
+
+
+def test_it_keeps_string_metadata_and_the_session_names(
+    tinker_base: Any, owner_key: tuple[Any, str]
+) -> None:
+    client, key = Client(), owner_key[1]
+    body = {
+        "sdk_version": "0.38.0",
+        "tags": ["a"],
+        "user_metadata": {"run": "7", "note": "é"},
+        "display_name": "my run",
+        "project_id": "proj-1",
+    }
+    session_id = api(client, key, "create_session", body).json()["session_id"]
+    row = TinkerSession.objects.get(pk=session_id)
+    assert (row.display_name, row.project_id) == ("my run", "proj-1")
+    info = api(client, key, f"sessions/{session_id}").json()
+    assert info["display_name"] == "my run" and info["user_metadata"] == body["user_metadata"]
+
+
+@pytest.mark.parametrize(
+    "field, value, where",
+    [
+        ("user_metadata", {"k": "v" * (MAX_METADATA_VALUE_CHARS + 1)}, "user_metadata.k"),
+        ("user_metadata", {"k" * 513: "v"}, "user_metadata"),
+        ("user_metadata", {str(i): "v" for i in range(MAX_METADATA_KEYS + 1)}, "user_metadata"),
+        ("tags", ["t"] * (MAX_TAGS + 1), "tags"),
+        ("tags", ["t" * 257], "tags.0"),
+        ("display_name", "d" * 257, "display_name"),
+        ("project_id", "p" * 257, "project_id"),
+    ],
+)
+def test_it_bounds_what_a_session_stores(
+    tinker_base: Any, owner_key: tuple[Any, str], field: str, value: Any, where: str
+) -> None:
+    client, key = Client(), owner_key[1]
+    res = api(client, key, "create_session", {"sdk_version": "0.38.0", field: value})
+    assert res.status_code == 400 and f"{where}" in res.json()["detail"], res.content
+    assert not TinkerSession.objects.exists()
+
+
+def test_it_bounds_the_metadata_of_models_and_checkpoints(
+    tinker_base: Any, owner_key: tuple[Any, str]
+) -> None:
+    client, key = Client(), owner_key[1]
+    session_id = new_session(client, key)
+    _, model_id = new_model(client, key, session_id)
+    big = {"k": "v" * (MAX_METADATA_VALUE_CHARS + 1)}
+    for path, body in (
+        ("create_model", {"session_id": session_id, "model_seq_id": 1, "base_model": BASE_NAME}),
+        ("save_weights", {"model_id": model_id, "seq_id": 1, "path": "x"}),
+        ("save_weights_for_sampler", {"model_id": model_id, "seq_id": 2, "path": "y"}),
+    ):
+        res = api(client, key, path, {**body, "user_metadata": big})
+        assert res.status_code == 400 and "user_metadata.k" in res.json()["detail"], path
+    assert TrainingModel.objects.count() == 1 and not Checkpoint.objects.exists()
+
+
+@pytest.mark.parametrize("limit", ["-5", "0", "abc", "1.5"])
+def test_it_refuses_a_bad_page_limit(tinker_base: Any, owner_key: tuple[Any, str], limit) -> None:
+    client, key = Client(), owner_key[1]
+    new_session(client, key)
+    for path in ("sessions", "training_runs", "checkpoints"):
+        res = api(client, key, f"{path}?limit={limit}")
+        assert res.status_code == 400 and "limit" in res.json()["detail"], (path, res.content)
+    huge = api(client, key, "training_runs?limit=" + "1" * 23).json()
+    assert huge["cursor"]["limit"] == 1000
+
+
+def test_it_names_the_allowed_methods_of_a_405(owner_key: tuple[Any, str], db: None) -> None:
+    client, key = Client(), owner_key[1]
+    res = client.get("/api/v1/create_session", HTTP_X_API_KEY="tml-" + key)
+    assert res.status_code == 405 and res["Allow"] == "POST"
+    assert json.loads(res.content) == {"detail": "method GET not allowed"}
+    ttl = "/api/v1/training_runs/r/checkpoints/weights/y/ttl"
+    res = client.get(ttl, HTTP_X_API_KEY="tml-" + key)
+    assert res.status_code == 405 and res["Allow"] == "PUT, POST"

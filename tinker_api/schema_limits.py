@@ -1,0 +1,33 @@
+"""Bounds on what a session, a model or a checkpoint stores for its client: metadata, tags,
+names and TTLs. A Tinker body may be 64 MB (forward/backward batches), and without these a
+client could store megabytes of metadata on every row it creates. Each sits well above what
+the SDK and the cookbook send; PROTOCOL.md lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+MAX_METADATA_KEYS = 64
+MAX_METADATA_KEY_CHARS = 512
+MAX_METADATA_VALUE_CHARS = 4096
+MAX_TAGS = 64
+MAX_TAG_CHARS = 256
+MAX_NAME_CHARS = 256
+# A TTL past this is "never"; a larger one overflows the datetime it is added to.
+MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
+TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_SECONDS)]
+
+# String values only: the SDK types user_metadata as dict[str, str] everywhere it reads it
+# back, so a number or a list stored here would come back as its Python repr.
+UserMetadata = Annotated[
+    dict[
+        Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ],
+    Field(max_length=MAX_METADATA_KEYS),
+]
+Tags = Annotated[list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]], Field(max_length=MAX_TAGS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
