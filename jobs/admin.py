@@ -117,7 +117,7 @@ class BaseModelAdmin(admin.ModelAdmin):
     list_display = ["name", "path", "present", "max_lora_rank", "max_context", "enabled"]
     list_filter = ["enabled"]
     list_editable = ["enabled"]
-    search_fields = ["name", "path", "description"]
+    search_fields = ["name", "path", "hub_id", "description"]
     readonly_fields = ["created", "resolved"]
 
     @admin.display(boolean=True, description="files here")

@@ -192,6 +192,16 @@ class BaseModel(models.Model):
         max_length=500,
         help_text="Model directory; a relative path is resolved against the project root.",
     )
+    hub_id = models.CharField(
+        max_length=200,
+        blank=True,
+        default="",
+        help_text=(
+            "The Hugging Face id of this model (e.g. Qwen/Qwen2.5-0.5B-Instruct), which Tinker "
+            "clients load its tokenizer from and tinker-cookbook picks its renderer by. Blank: "
+            "the model directory's path, which only clients on this host can read."
+        ),
+    )
     max_lora_rank = models.PositiveIntegerField(default=64)
     max_context = models.PositiveIntegerField(default=1024, help_text="Tokens.")
     enabled = models.BooleanField(default=True)

@@ -374,3 +374,21 @@ def test_the_beat_ends_sessions_whose_client_left_while_no_worker_held_them(
     assert gone.finished and gone.finish_reason == "interrupted"
     assert not left["s-gone"].exists() and left["s-here"].is_file()
     assert not TinkerSession.objects.get(pk="s-here").finished
+
+
+def test_a_skipped_optimizer_step_answers_json_that_strict_parsers_read() -> None:
+    from tinker_api.worker.handlers import optim_reply, strict_json
+
+    def strict(raw: bytes) -> Any:
+        def refuse(name: str) -> Any:
+            raise ValueError(f"{name} is not JSON")
+
+        return json.loads(raw, parse_constant=refuse)
+
+    # What training.ops.optim_steps reports for a step skipped for a non-finite gradient.
+    reply = strict(optim_reply({"grad_norm": float("nan"), "skipped": 1.0, "step": 3.0}))
+    assert reply == {"metrics": {"optim/skipped:mean": 1.0, "optim/step:mean": 3.0}}
+    assert strict(strict_json({"loss": float("-inf"), "x": [1.0, float("inf")]})) == {
+        "loss": None,
+        "x": [1.0, None],
+    }

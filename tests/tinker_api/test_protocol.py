@@ -101,6 +101,11 @@ def test_it_answers_foreign_ids_as_unknown(
     mine = api(client, owner_key[1], "get_info", {"model_id": model_id}).json()
     assert mine["model_id"] == model_id and mine["lora_rank"] == 4
     assert mine["model_data"]["model_name"] == str(tinker_base.resolved_path())
+    # With a hub id, a client on another host can load the tokenizer.
+    tinker_base.hub_id = "Qwen/Qwen2.5-0.5B-Instruct"
+    tinker_base.save(update_fields=["hub_id"])
+    data = api(client, owner_key[1], "get_info", {"model_id": model_id}).json()["model_data"]
+    assert data["model_name"] == data["tokenizer_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def test_it_answers_a_resubmitted_seq_id_with_the_first_future(

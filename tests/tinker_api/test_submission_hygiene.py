@@ -207,3 +207,59 @@ def test_it_names_the_allowed_methods_of_a_405(owner_key: tuple[Any, str], db: N
     ttl = "/api/v1/training_runs/r/checkpoints/weights/y/ttl"
     res = client.get(ttl, HTTP_X_API_KEY="tml-" + key)
     assert res.status_code == 405 and res["Allow"] == "PUT, POST"
+
+
+def test_a_finished_sessions_models_and_samplers_take_no_more_requests(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    from tests.tinker_api.test_protocol import fwdbwd_body
+
+    client, key = Client(), owner_key[1]
+    session_id = new_session(client, key)
+    _, model_id = new_model(client, key, session_id)
+    sampler = api(
+        client,
+        key,
+        "create_sampling_session",
+        {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE_NAME},
+    )
+    assert sampler.status_code == 200, sampler.content
+    sampler_id = sampler.json()["sampling_session_id"]
+    assert api(client, key, "forward_backward", fwdbwd_body(model_id, 1)).status_code == 200
+    finish = api(client, key, f"sessions/{session_id}/finish", {"reason": {"type": "success"}})
+    assert finish.status_code == 200
+    before = queued(redis_client)
+    # Each would have run on the model rebuilt from its initial weights, as if nothing ended.
+    for seq, (path, body) in enumerate(
+        [
+            ("forward_backward", fwdbwd_body(model_id, 0)),
+            ("forward", fwdbwd_body(model_id, 0)),
+            ("optim_step", {"model_id": model_id, "adam_params": {}}),
+            ("save_weights", {"model_id": model_id, "path": "late"}),
+            ("save_weights_for_sampler", {"model_id": model_id, "path": "late"}),
+        ],
+        start=2,
+    ):
+        body["seq_id"] = seq
+        refused = api(client, key, path, body)
+        assert refused.status_code == 400, (path, refused.content)
+        assert "has ended (success)" in refused.json()["detail"], path
+    assert not Checkpoint.objects.filter(model_id=model_id).exists()
+    sample = api(
+        client,
+        key,
+        "asample",
+        {
+            "sampling_session_id": sampler_id,
+            "seq_id": 1,
+            "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+            "sampling_params": {"max_tokens": 2},
+        },
+    )
+    assert sample.status_code == 400 and "has ended" in sample.json()["detail"]
+    # Reading what it left still works.
+    assert api(client, key, f"training_runs/{model_id}").status_code == 200
+    assert api(client, key, f"samplers/{sampler_id}").status_code == 200
+    # The refusals queued only the skips that keep the model's sequence whole.
+    assert queued(redis_client) - before == 5

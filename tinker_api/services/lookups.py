@@ -53,7 +53,12 @@ def live_session(caller: Caller, session_id: str) -> TinkerSession:
 
 
 def get_model(caller: Caller, model_id: str) -> TrainingModel:
-    row = TrainingModel.objects.for_team(caller.team_id).filter(pk=model_id).first()
+    row = (
+        TrainingModel.objects.for_team(caller.team_id)
+        .select_related("session")
+        .filter(pk=model_id)
+        .first()
+    )
     if row is None:
         raise NotFound(f"unknown model {model_id}")
     return row
@@ -62,7 +67,7 @@ def get_model(caller: Caller, model_id: str) -> TrainingModel:
 def get_sampling_session(caller: Caller, sampling_session_id: str) -> SamplingSession:
     row = (
         SamplingSession.objects.for_team(caller.team_id)
-        .select_related("checkpoint")
+        .select_related("checkpoint", "session")
         .filter(pk=sampling_session_id)
         .first()
     )

@@ -138,6 +138,20 @@ def check_seq(seq: int | None) -> int:
     return seq
 
 
+def check_open(model: TrainingModel) -> None:
+    """A model of a finished session takes no more requests: its weights were freed, and a
+    worker would otherwise rebuild it from its last save and train on as if nothing had
+    happened (the SDK's close(): "further operations against it will be rejected")."""
+    session = model.session
+    if session.finished:
+        raise wire.WireError(
+            f"session {session.pk} has ended ({session.finish_reason or 'finished'}"
+            f"{': ' + session.finish_detail if session.finish_detail else ''}); model "
+            f"{model.pk} takes no more requests: start a new training client, from a saved "
+            "state to continue"
+        )
+
+
 @contextmanager
 def ordered(caller: Caller, model: TrainingModel, seq: int | None) -> Iterator[Turn]:
     """Checks of a request that carries ``seq``, which is checked first: a refusal still
@@ -145,6 +159,7 @@ def ordered(caller: Caller, model: TrainingModel, seq: int | None) -> Iterator[T
     turn = Turn(model, seq or 0)
     try:
         turn.seq = check_seq(seq)
+        check_open(model)
         yield turn
     except NotFound as exc:
         refuse(caller, model, seq, wire.WireError(str(exc), status=404), request_id=turn.request_id)

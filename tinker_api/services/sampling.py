@@ -94,7 +94,13 @@ def _request_sampling_session(caller: Caller, req: s.SampleRequest) -> SamplingS
     names ``model_path`` or ``base_model`` instead (older clients, curl) samples from that
     through an unsaved session that lives for this request only (no seq_id dedupe)."""
     if req.sampling_session_id is not None:
-        return get_sampling_session(caller, req.sampling_session_id)
+        row = get_sampling_session(caller, req.sampling_session_id)
+        if row.session.finished:
+            raise wire.WireError(
+                f"sampling session {row.pk} belongs to session {row.session_id}, which has "
+                "ended: create a sampling client in a new session"
+            )
+        return row
     if req.model_path is None and req.base_model is None:
         raise wire.WireError("send sampling_session_id, model_path or base_model")
     if req.model_path is not None:

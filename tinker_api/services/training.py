@@ -113,15 +113,17 @@ def _model_once(caller: Caller, session: Any, model_id: str, **fields: Any) -> T
 
 def get_info(caller: Caller, model_id: str) -> s.GetInfoResponse:
     model = get_model(caller, model_id)
-    directory = base_model(model.base_model).resolved_path()
-    path = str(directory)
+    base = base_model(model.base_model)
+    directory = base.resolved_path()
+    # What the SDK loads the tokenizer from and the cookbook picks a renderer by: the hub id
+    # a client anywhere can fetch, else the local path (a client on this host).
+    path = base.hub_id or str(directory)
     try:
         arch = json.loads((directory / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         arch = None
     return s.GetInfoResponse(
         model_id=model.id,
-        # The SDK and the cookbook load the tokenizer from here, offline: a local path.
         model_data=s.ModelData(arch=arch, model_name=path, tokenizer_id=path),
         optimizer_config=s.OptimizerConfig.model_validate(model.optimizer_config or {}),
         is_lora=True,

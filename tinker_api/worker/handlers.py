@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,30 @@ log = logging.getLogger(__name__)
 Prepared = tuple[Op, wire.ForwardBackwardBatch, list[Datum], Policy]
 
 
+def strict_json(body: Any) -> bytes:
+    """``body`` as JSON that strict parsers read: a NaN or infinity (which Python's json
+    writes bare, and the SDK's parser refuses) becomes null."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(body), allow_nan=False).encode()
+
+
+def optim_reply(metrics: dict[str, float]) -> bytes:
+    """An optimizer step's answer. A metric that is not finite (the gradient norm of a step
+    skipped for a non-finite gradient) is left out: the SDK reads metrics as numbers, and
+    ``optim/skipped:mean`` says what happened."""
+    out = {f"optim/{k}:mean": float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+    return strict_json({"metrics": out})
+
+
 class TrainingHandlers:
     def __init__(self, policies: Policies, samplers: SamplerCache) -> None:
         self.policies = policies
@@ -43,7 +68,7 @@ class TrainingHandlers:
         except Exception as exc:  # every failure is reported, by fail_request
             fail_request(op, exc, op.kind)
             return
-        futures.complete(op.rid, json_body=json.dumps(body).encode())
+        futures.complete(op.rid, json_body=strict_json(body))
 
     def _op_create(self, op: Op) -> dict[str, Any]:
         f = op.fields
@@ -107,8 +132,7 @@ class TrainingHandlers:
                 futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
             return
         for (op, _policy, _adam), metrics in zip(ready, results, strict=True):
-            body = {"metrics": {f"optim/{k}:mean": float(v) for k, v in metrics.items()}}
-            futures.complete(op.rid, json_body=json.dumps(body).encode())
+            futures.complete(op.rid, json_body=optim_reply(metrics))
 
     def _op_save_state(self, op: Op) -> dict[str, Any]:
         policy = self.policies.serving(op.model)
