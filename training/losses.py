@@ -11,11 +11,12 @@ Each loss returns the summed scalar loss and metrics named "name:reduction".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from training.loss_config import loss_config
 
 
 @dataclass
@@ -37,21 +38,8 @@ LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
 LossFn = Callable[[LossBatch, Mapping[str, float]], LossResult]
 
 
-def _config(
-    config: Mapping[str, float] | None, loss: str, defaults: dict[str, float]
-) -> dict[str, float]:
-    config = dict(config or {})
-    unknown = set(config) - set(defaults)
-    if unknown:
-        raise ValueError(
-            f"loss {loss!r}: unknown loss_fn_config keys {sorted(unknown)}; "
-            f"allowed {sorted(defaults)}"
-        )
-    merged = {**defaults, **config}
-    for key, value in merged.items():
-        if not isinstance(value, (int, float)) or math.isnan(value):
-            raise ValueError(f"loss {loss!r}: loss_fn_config[{key!r}] must be a number")
-    return merged
+def _config(config: Mapping[str, float] | None, loss: str) -> dict[str, float]:
+    return loss_config(loss, config)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -78,7 +66,7 @@ def _kl_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.
 
 def cross_entropy(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     """-sum(weights * logprob). Weights may be any float, negative included."""
-    _config(config, "cross_entropy", {})
+    _config(config, "cross_entropy")
     weights = batch.require("weights", "cross_entropy")
     per_token = -batch.logprobs * weights * batch.mask
     loss = per_token.sum()
@@ -93,7 +81,7 @@ def cross_entropy(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
 
 def importance_sampling(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     """-sum(exp(logprob - sampler_logprob) * advantage): the off-policy-corrected gradient."""
-    _config(config, "importance_sampling", {})
+    _config(config, "importance_sampling")
     log_ratio, advantages, mask = _rl_common(batch, "importance_sampling")
     per_token = -torch.exp(log_ratio) * advantages * mask
     loss = per_token.sum()
@@ -102,7 +90,7 @@ def importance_sampling(batch: LossBatch, config: Mapping[str, float]) -> LossRe
 
 def ppo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     """Clipped surrogate: -sum(min(ratio * A, clip(ratio, low, high) * A))."""
-    cfg = _config(config, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    cfg = _config(config, "ppo")
     low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     if not 0 <= low <= 1 <= high:
         raise ValueError(
@@ -123,7 +111,7 @@ def ppo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
 
 def cispo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     """-sum(sg(clip(ratio, low, high)) * A * logprob): clipped IS weight; every token has a grad."""
-    cfg = _config(config, "cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    cfg = _config(config, "cispo")
     low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     if not 0 <= low <= 1 <= high:
         raise ValueError(
@@ -142,7 +130,7 @@ def cispo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
 
 def dro(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     """-sum(logprob * A - beta/2 * (logprob - sampler_logprob)^2)."""
-    cfg = _config(config, "dro", {"beta": 0.05})
+    cfg = _config(config, "dro")
     if cfg["beta"] < 0:
         raise ValueError(f"dro: beta must be >= 0, got {cfg['beta']}")
     log_ratio, advantages, mask = _rl_common(batch, "dro")
@@ -159,7 +147,7 @@ def gspo(batch: LossBatch, config: Mapping[str, float]) -> LossResult:
     sequence level and divided by the row's token count, so summing over tokens gives one term
     per sequence.
     """
-    cfg = _config(config, "gspo", {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4})
+    cfg = _config(config, "gspo")
     low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     if not 0 <= low <= 1 <= high:
         raise ValueError(
@@ -204,7 +192,7 @@ def stable_reinforce(batch: LossBatch, config: Mapping[str, float]) -> LossResul
     sampled tokens, so the KL term never acts on prompt tokens (and it rejects a nonzero
     advantage elsewhere, as the cookbook documents).
     """
-    cfg = _config(config, "stable_reinforce", {"kl_coeff": 0.0, "ratio_cap": 2.0})
+    cfg = _config(config, "stable_reinforce")
     if cfg["kl_coeff"] < 0:
         raise ValueError(f"stable_reinforce: kl_coeff must be >= 0, got {cfg['kl_coeff']}")
     if cfg["ratio_cap"] < 1:

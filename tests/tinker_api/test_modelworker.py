@@ -152,7 +152,8 @@ def test_it_fails_one_bad_request_without_failing_its_batch_mates(base_model_dir
     create("a", 1), create("b", 2)
     drain(worker)
     good = fwdbwd("a", 1, "cross_entropy", ROWS_A)
-    # An unknown loss_fn_config key is discovered only when the loss runs.
+    # An unknown loss_fn_config key (the web process refuses it; a request that reached a
+    # worker all the same fails alone).
     bad_body = json.dumps(
         {
             "model_id": "b",

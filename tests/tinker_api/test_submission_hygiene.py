@@ -263,3 +263,31 @@ def test_a_finished_sessions_models_and_samplers_take_no_more_requests(
     assert api(client, key, f"samplers/{sampler_id}").status_code == 200
     # The refusals queued only the skips that keep the model's sequence whole.
     assert queued(redis_client) - before == 5
+
+
+def test_a_loss_fn_config_the_loss_does_not_take_is_refused_when_it_arrives(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    from tests.tinker_api.test_protocol import fwdbwd_body
+
+    client, key = Client(), owner_key[1]
+    _, model_id = new_model(client, key, new_session(client, key))
+    for loss_fn, config, said in (
+        ("cross_entropy", {"bogus": 1.0}, "unknown loss_fn_config keys ['bogus']; allowed none"),
+        ("ppo", {"clip_low": 0.5}, "allowed ['clip_high_threshold', 'clip_low_threshold']"),
+        ("ppo", {"clip_low_threshold": "x"}, "loss_fn_config['clip_low_threshold'] must be"),
+    ):
+        body = fwdbwd_body(model_id, 1)
+        body["forward_backward_input"]["loss_fn"] = loss_fn
+        body["forward_backward_input"]["loss_fn_config"] = config
+        if loss_fn == "ppo":
+            for datum in body["forward_backward_input"]["data"]:
+                n = len(datum["loss_fn_inputs"]["target_tokens"]["data"])
+                datum["loss_fn_inputs"] = {
+                    "target_tokens": datum["loss_fn_inputs"]["target_tokens"],
+                    "logprobs": {"data": [-1.0] * n, "dtype": "float32"},
+                    "advantages": {"data": [1.0] * n, "dtype": "float32"},
+                }
+        refused = api(client, key, "forward_backward", body)
+        assert refused.status_code == 400, refused.content
+        assert said in refused.json()["detail"]

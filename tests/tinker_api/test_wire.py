@@ -153,7 +153,11 @@ def test_it_decodes_what_the_sdk_sends_to_forward_backward(compress: bool) -> No
     assert sdk.last.url.path == "/api/v1/forward_backward"
     assert sdk.last.headers["content-type"] == wire.PROTOBUF
     assert sdk.last.headers.get("content-encoding") == ("zstd" if compress else None)
-    batch = decode_sent(sdk)
+    # Decoded as sent: "note" (a string, which travels in loss_fn_config_v2) is no ppo knob,
+    # which the checks refuse.
+    with pytest.raises(wire.WireError, match=r"unknown loss_fn_config keys \['note'\]"):
+        decode_sent(sdk)
+    batch = decode_sent(sdk, check=False)
 
     assert (batch.model_id, batch.seq_id, batch.loss_fn, batch.forward_only) == (
         "sess-1:train:0",
@@ -234,6 +238,7 @@ def test_it_decodes_the_json_form_older_clients_send() -> None:
             }
         ],
         loss_fn="cross_entropy",
+        # No knob of cross_entropy's: decoded without the checks, which would refuse it.
         loss_fn_config={"beta": 0.1},
     )
     sparse = fbi.data[0].loss_fn_inputs["target_tokens"]
@@ -249,14 +254,19 @@ def test_it_decodes_the_json_form_older_clients_send() -> None:
 
     for payload, encoding in ((raw, None), (raw_compressed, "zstd")):
         batch = wire.decode_forward_backward(
-            payload, content_type="application/json; charset=utf-8", content_encoding=encoding
+            payload,
+            content_type="application/json; charset=utf-8",
+            content_encoding=encoding,
+            check=False,
         )
         assert (batch.model_id, batch.seq_id, batch.loss_fn_config) == ("m-1", 4, {"beta": 0.1})
         datum = batch.data[0]
         assert datum.tokens == [5, 6, 7]
         np.testing.assert_array_equal(datum.loss_fn_inputs["target_tokens"], targets.numpy())
         assert datum.loss_fn_inputs["weights"].tolist() == [0.0, -2.0, 1.0]
-    assert wire.decode_forward_backward(raw, content_type="application/json", forward_only=True)
+    assert wire.decode_forward_backward(
+        raw, content_type="application/json", forward_only=True, check=False
+    )
 
 
 def test_it_refuses_image_chunks_for_a_text_only_model_with_a_clear_user_error() -> None:

@@ -41,6 +41,7 @@ from tinker_api.wire.tensors import (
     tensor_json,
     unpack,
 )
+from training.loss_config import loss_config
 
 if TYPE_CHECKING:
     import torch
@@ -347,6 +348,10 @@ def check_batch(batch: ForwardBackwardBatch, vocab_size: int | None = None) -> N
         raise WireError(
             f"unknown loss_fn {batch.loss_fn!r}; expected one of {', '.join(sorted(LOSS_FNS))}"
         )
+    try:
+        loss_config(batch.loss_fn, batch.loss_fn_config)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
     if not batch.model_id:
         raise WireError("model_id is required")
     # seq 0 of a model is its creating load_weights; training requests count from 1.

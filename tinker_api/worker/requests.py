@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinker_api import futures
+from tinker_api.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ def fail_request(op: Op, exc: Exception, what: str) -> None:
     anything else as a server error, logged with its traceback (call from the handler)."""
     if isinstance(exc, RequestError):
         futures.fail(op.rid, str(exc), exc.category)
+        return
+    if isinstance(exc, WireError):
+        # The request's own fault, found by the checks the web process also runs.
+        futures.fail(op.rid, str(exc), "user")
         return
     log.exception("request %s (%s) failed", op.rid, what)
     futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
