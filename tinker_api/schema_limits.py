@@ -16,9 +16,11 @@ MAX_METADATA_VALUE_CHARS = 4096
 MAX_TAGS = 64
 MAX_TAG_CHARS = 256
 MAX_NAME_CHARS = 256
-# A TTL past this is "never"; a larger one overflows the datetime it is added to.
-MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
-TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_SECONDS)]
+# The SDK's documented range for a checkpoint's TTL: an hour to ten years. A TTL of seconds
+# is a slip (minutes or hours meant) that would lose the checkpoint almost at once.
+MIN_TTL_SECONDS = 3600
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
+TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
 
 # String values only: the SDK types user_metadata as dict[str, str] everywhere it reads it
 # back, so a number or a list stored here would come back as its Python repr.

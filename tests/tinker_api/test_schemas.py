@@ -437,6 +437,9 @@ def test_it_bounds_what_one_sample_request_may_ask_for(field: str, bad: int, goo
         (s.LoadWeightsRequest, {"model_seq_id": 2**63}, "model_seq_id"),
         (s.CreateSamplingSessionRequest, {"sampling_session_seq_id": 2**63}, "sampling_session"),
         (s.CheckpointTtlRequest, {"ttl_seconds": -5}, "ttl_seconds"),
+        # The SDK's range: an hour to ten years.
+        (s.CheckpointTtlRequest, {"ttl_seconds": 3599}, "ttl_seconds"),
+        (s.SaveWeightsRequest, {"ttl_seconds": 10 * 365 * 24 * 3600 + 1}, "ttl_seconds"),
     ],
 )
 def test_it_refuses_ids_and_counts_past_64_bits(
@@ -462,7 +465,7 @@ def test_it_refuses_ids_and_counts_past_64_bits(
             "sampling_session_seq_id": 0,
             "base_model": "b",
         },
-        s.CheckpointTtlRequest: {"ttl_seconds": 60},
+        s.CheckpointTtlRequest: {"ttl_seconds": 3600},
     }
     model.model_validate(valid[model])
     with pytest.raises(wire.WireError, match=f": {field}") as err:
