@@ -77,6 +77,13 @@ def _collate(
     return input_ids.to(device), targets, inputs, valid.to(device)
 
 
+def _next_input(input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T): the input token after each position (-1 after the last)."""
+    nxt = torch.full_like(input_ids, -1)
+    nxt[:, :-1] = input_ids[:, 1:]
+    return nxt
+
+
 # Architectures whose logits are exactly lm_head(decoder(x)): for them the head runs only on the
 # positions that need it. Others (e.g. with logit soft-capping) go through the full forward.
 _PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
@@ -308,8 +315,11 @@ def _run(
     grad = torch.enable_grad() if backward else torch.no_grad()
     spec = vision.spec_of(base_model)
     images_B = [d.images for d in datums] if any(d.images for d in datums) else None
-    # An image placeholder is the model's input, not a token it could predict: no loss on it.
-    scored = valid if spec is None else valid * (targets != spec.image_token_id)
+    # An image placeholder is the model's input, not a token it could predict: no loss on the
+    # positions that precede one, whatever target the datum gives them.
+    scored = valid if spec is None else valid * (_next_input(input_ids) != spec.image_token_id)
+    if spec is not None:
+        scored = scored * (targets != spec.image_token_id)
     mask = scored * inputs["mask"] if "mask" in inputs else scored
     # Positions whose log-prob gets a gradient; a zero SFT weight contributes none.
     grad_mask = mask

@@ -113,6 +113,15 @@ def test_it_keeps_placeholders_out_of_the_loss_and_gives_the_models_gradient(
     pad = vl_models.image_ids(tokenizer)[2]
     scored = sum(1 for t in sequence[1:] if t != pad)
     assert result.metrics["tokens:sum"] == scored
+    # A datum whose targets at the placeholders say anything else (a hand-built one, 0s)
+    # gets the same: the positions before a placeholder carry no loss.
+    other = _datum(sequence, images[:2])
+    other.loss_fn_inputs["target_tokens"] = torch.tensor(
+        [0 if t == pad else t for t in sequence[1:]]
+    )
+    again = ops.forward(policy, [other], "cross_entropy")
+    assert again.metrics["tokens:sum"] == scored
+    assert again.metrics["loss:sum"] == pytest.approx(result.metrics["loss:sum"], abs=1e-4)
 
     reference = vl_models.build_vl_model(arch, tokenizer)
     reference.requires_grad_(True)
