@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from accounts.parsers import surrogate_at
+from accounts.json_checks import surrogate_at
 from environments.registry import (
     ContractError,
     frozen_opponent,

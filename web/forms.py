@@ -8,8 +8,8 @@ from typing import Any
 import yaml
 from django import forms
 
+from accounts.json_checks import MAX_JSON_DEPTH, json_depth
 from accounts.models import Membership, Team
-from accounts.parsers import MAX_JSON_DEPTH, json_depth
 from accounts.validators import validate_display_name
 from environments.datasets import builtin_names
 from environments.registry import env_names, get_env

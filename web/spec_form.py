@@ -18,7 +18,7 @@ from typing import Any
 
 from django import forms
 
-from accounts.parsers import MAX_JSON_DEPTH, json_depth
+from accounts.json_checks import MAX_JSON_DEPTH, json_depth
 from jobs import spec as spec_module
 from jobs.spec import JobSpec
 

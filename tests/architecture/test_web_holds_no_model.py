@@ -22,9 +22,13 @@ from django.urls import resolve
 import opentinker_site.urls
 from jobs import sampling
 view = resolve("/api/v1/jobs/00000000-0000-0000-0000-000000000000/sample")
+# The one module of the training core the web process reads: the losses' configs, a table
+# with no torch (the web refuses a config a loss does not take when the request arrives).
+SHARED = {"training", "training.loss_config"}
 heavy = sorted(
     m for m in sys.modules
     if m.split(".")[0] in ("torch", "transformers", "peft", "tokenizers", "training")
+    and m not in SHARED
 )
 sampler = sampling._sampler
 print(json.dumps({
