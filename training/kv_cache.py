@@ -172,31 +172,33 @@ class KVCache:
         self.replace(merged[0], merged[1], bias, total)
         self.length = length
 
+    def _columns(self, start: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New key and value stores of ``capacity`` columns holding the live rows' columns
+        from ``start`` to the cache's length, at their left."""
+        rows, end = self.rows, self.length
+        moved = []
+        for store in (self.key_store, self.value_store):
+            layers, slots, kv_heads, _, head_dim = store.shape
+            new = store.new_empty((layers, slots, kv_heads, capacity, head_dim))
+            new[:, :rows, :, : end - start] = store[:, :rows, :, start:end]
+            moved.append(new)
+        return moved[0], moved[1]
+
     def grow(self, capacity: int, cos_T_D: torch.Tensor, sin_T_D: torch.Tensor) -> None:
         """Room for ``capacity`` columns (rotary tables as long): the rows' written columns
         and padding move to larger stores. A batch starts with room for its first tokens
         only and grows as rows keep decoding, so that a request that may run to the end of
         a long context holds that memory only if it gets there."""
         rows, end = self.rows, self.length
-        stores = []
-        for store in (self.key_store, self.value_store):
-            layers, slots, kv_heads, _, head_dim = store.shape
-            larger = store.new_empty((layers, slots, kv_heads, capacity, head_dim))
-            larger[:, :rows, :, :end] = store[:, :rows, :, :end]
-            stores.append(larger)
+        keys, values = self._columns(0, capacity)
         bias = self.bias_store.new_zeros((self.bias_store.shape[0], capacity))
         bias[:rows, :end] = self.bias_store[:rows, :end]
         self.cos_T_D, self.sin_T_D = cos_T_D, sin_T_D
-        self.replace(stores[0], stores[1], bias, rows)
+        self.replace(keys, values, bias, rows)
 
     def trim(self, start: int) -> None:
         """Drop the cache columns left of ``start``, which no row attends to."""
         rows, end = self.rows, self.length
-        stores = []
-        for store in (self.key_store, self.value_store):
-            layers, slots, kv_heads, capacity, head_dim = store.shape
-            kept = store.new_empty((layers, slots, kv_heads, capacity - start, head_dim))
-            kept[:, :rows, :, : end - start] = store[:, :rows, :, start:end]
-            stores.append(kept)
-        self.replace(stores[0], stores[1], self.bias_store[:, start:].clone(), rows)
+        keys, values = self._columns(start, self.capacity - start)
+        self.replace(keys, values, self.bias_store[:, start:].clone(), rows)
         self.length = end - start
