@@ -150,6 +150,9 @@ class Checkpoint(models.Model):
     # The in-memory snapshot a worker published for it (sampler kind), for fast sampling.
     version = models.IntegerField(null=True, blank=True)
     user_metadata = models.JSONField(null=True, blank=True)
+    # The seq_id of the save that wrote the row: a resubmission of that save (its claim had
+    # expired) reuses the row where another save of the name is refused.
+    seq = models.BigIntegerField(null=True, blank=True)
     created = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(null=True, blank=True)
     # Published (``publish_checkpoint_from_tinker_path``): listed as public. Teams are the

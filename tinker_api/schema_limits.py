@@ -6,7 +6,8 @@ the SDK and the cookbook send; PROTOCOL.md lists them.
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -33,3 +34,11 @@ UserMetadata = Annotated[
 ]
 Tags = Annotated[list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]], Field(max_length=MAX_TAGS)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+
+
+def metadata_out(stored: dict[str, Any] | None) -> dict[str, str] | None:
+    """Stored metadata as the SDK reads it back: strings. Rows written before values had to be
+    strings may hold numbers or lists; those come back as JSON, not as Python's repr."""
+    if not stored:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in stored.items()}

@@ -291,3 +291,31 @@ def test_a_loss_fn_config_the_loss_does_not_take_is_refused_when_it_arrives(
         refused = api(client, key, "forward_backward", body)
         assert refused.status_code == 400, refused.content
         assert said in refused.json()["detail"]
+
+
+def test_checkpoint_metadata_reads_back_whole_and_as_text(
+    tinker_base: Any, owner_key: tuple[Any, str]
+) -> None:
+    client, key = Client(), owner_key[1]
+    _, model_id = new_model(client, key, new_session(client, key))
+    meta = {"_private": "kept", "_seq": "mine", "step": "3"}
+    save = {"model_id": model_id, "seq_id": 1, "path": "m", "user_metadata": meta}
+    assert api(client, key, "save_weights", save).status_code == 200
+    ckpt = Checkpoint.objects.get(model_id=model_id, name="m")
+    assert (ckpt.seq, ckpt.user_metadata) == (1, meta)
+    checkpoints.record_state_saved(ckpt.pk, size_bytes=5, step=0)
+    listed = api(client, key, f"training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [c["user_metadata"] for c in listed] == [meta]
+    # A row written before values had to be text reads back as JSON, not as Python's repr.
+    Checkpoint.objects.filter(pk=ckpt.pk).update(user_metadata={"n": 1, "l": [1, "a"], "t": True})
+    listed = api(client, key, f"training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert listed[0]["user_metadata"] == {"n": "1", "l": '[1, "a"]', "t": "true"}
+    # A retry of the same save (its claim expired) reuses the row; another seq_id may not.
+    with pytest.raises(Exception, match="exists; pass overwrite"):
+        checkpoints._new_checkpoint(
+            ckpt.model, ckpt.kind, "m", ttl_seconds=None, overwrite=False, user_metadata={}, seq=2
+        )
+    again = checkpoints._new_checkpoint(
+        ckpt.model, ckpt.kind, "m", ttl_seconds=None, overwrite=False, user_metadata=meta, seq=1
+    )
+    assert again.seq == 1 and again.user_metadata == meta

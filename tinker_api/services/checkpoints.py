@@ -14,6 +14,7 @@ from django.utils import timezone
 from tinker_api import schemas as s
 from tinker_api import wire
 from tinker_api.models import Checkpoint, SamplingSession, TrainingModel
+from tinker_api.schema_limits import metadata_out
 from tinker_api.services.lookups import Caller, get_checkpoint, get_model
 from tinker_api.services.queue import Turn, ordered, submit
 
@@ -52,7 +53,7 @@ def _new_checkpoint(
     existing = Checkpoint.objects.filter(model=model, kind=kind, name=name).first()
     if existing is not None and not (
         # A resubmission whose claim had expired reuses the row of its first submission.
-        overwrite or (existing.user_metadata or {}).get("_seq") == str(seq)
+        overwrite or existing.seq == seq
     ):
         raise wire.WireError(f"checkpoint {existing.tinker_path} exists; pass overwrite")
     expires = timezone.now() + timedelta(seconds=ttl_seconds) if ttl_seconds else None
@@ -67,7 +68,8 @@ def _new_checkpoint(
                 name=name,
                 file=_checkpoint_file(model, kind, name),
                 expires_at=expires,
-                user_metadata={**(user_metadata or {}), "_seq": str(seq)},
+                user_metadata=user_metadata or None,
+                seq=seq,
             )
     except IntegrityError:
         # Another save of the same name, with another seq_id, got there first.
@@ -176,7 +178,6 @@ def record_sampler_saved(
 
 
 def _checkpoint_out(c: Checkpoint) -> s.Checkpoint:
-    meta = {k: v for k, v in (c.user_metadata or {}).items() if not k.startswith("_")}
     return s.Checkpoint(
         checkpoint_id=f"{c.segment}/{c.name}",
         checkpoint_type=c.kind,  # type: ignore[arg-type]
@@ -184,7 +185,7 @@ def _checkpoint_out(c: Checkpoint) -> s.Checkpoint:
         tinker_path=c.tinker_path,
         size_bytes=c.size_bytes,
         public=c.public,
-        user_metadata=meta or None,
+        user_metadata=metadata_out(c.user_metadata),
         expires_at=c.expires_at,
     )
 
@@ -237,7 +238,6 @@ def training_run(caller: Caller, model: TrainingModel) -> s.TrainingRun:
     done = model.checkpoints.exclude(size_bytes__isnull=True)
     last = done.filter(kind=Checkpoint.Kind.TRAINING).first()
     last_sampler = done.filter(kind=Checkpoint.Kind.SAMPLER).first()
-    meta = model.user_metadata or None
     return s.TrainingRun(
         training_run_id=model.id,
         base_model=model.base_model,
@@ -247,5 +247,5 @@ def training_run(caller: Caller, model: TrainingModel) -> s.TrainingRun:
         last_request_time=model.last_request,
         last_checkpoint=_checkpoint_out(last) if last else None,
         last_sampler_checkpoint=_checkpoint_out(last_sampler) if last_sampler else None,
-        user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
+        user_metadata=metadata_out(model.user_metadata),
     )

@@ -12,6 +12,7 @@ from django.utils import timezone
 from tinker_api import futures
 from tinker_api import schemas as s
 from tinker_api.models import TinkerSession, TrainingModel
+from tinker_api.schema_limits import metadata_out
 from tinker_api.services.lookups import Caller, get_session
 from workers import conf
 
@@ -85,11 +86,10 @@ def list_sessions(caller: Caller, limit: int, offset: int) -> list[str]:
 
 def session_info(caller: Caller, session_id: str) -> s.GetSessionResponse:
     session = get_session(caller, session_id)
-    meta = session.user_metadata or None
     return s.GetSessionResponse(
         training_run_ids=list(session.models.values_list("id", flat=True)),
         sampler_ids=list(session.sampling_sessions.values_list("id", flat=True)),
-        user_metadata={str(k): str(v) for k, v in meta.items()} if meta else None,
+        user_metadata=metadata_out(session.user_metadata),
         display_name=session.display_name or None,
     )
 
