@@ -18,12 +18,13 @@ path); with any other model `can_join` is False and rows may only be added to an
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from training.decoder import decoder_for
+from training import vision
+from training.decoder import VLDecoder, decoder_for
 from training.kv_cache import compaction_order
 from training.penalties import Penalties
 from training.sampler import (
@@ -68,6 +69,8 @@ class Row:
     stop_on_eos: bool = True
     topk: int = 0
     """Also report the k most likely tokens at every position."""
+    images: tuple[vision.ImageInput, ...] = field(default=())
+    """The prompt's images (a vision-language model), in the order of their placeholders."""
 
 
 @dataclass
@@ -135,6 +138,8 @@ class ContinuousBatch:
         bad = [t for t, _ in row.params.logit_bias if t >= self.vocab]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary")
+        if row.images and not isinstance(self.decoder, VLDecoder):
+            raise ValueError("this model has no vision tower: it cannot take images")
 
     @torch.no_grad()
     def add(self, rows: Sequence[Row]) -> list[int]:
@@ -145,15 +150,19 @@ class ContinuousBatch:
             raise RuntimeError("this model's decoder cannot join a running batch")
         for row in rows:
             self.check(row)
-        unique: dict[tuple[tuple[int, ...], str | None], int] = {}
-        expand = [
-            unique.setdefault((tuple(int(t) for t in r.prompt), r.adapter), len(unique))
-            for r in rows
-        ]
-        width = max(len(p) for p, _ in unique)
+        # Rows of one prompt, adapter and images (a request's n choices) share a prefill.
+        unique: dict[tuple[tuple[int, ...], str | None, tuple[str, ...]], int] = {}
+        images: list[tuple[vision.ImageInput, ...]] = []
+        expand = []
+        for r in rows:
+            ident = (tuple(int(t) for t in r.prompt), r.adapter, tuple(i.digest for i in r.images))
+            if ident not in unique:
+                images.append(tuple(r.images))
+            expand.append(unique.setdefault(ident, len(unique)))
+        width = max(len(p) for p, _, _ in unique)
         ids_U_L = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
         mask_U_L = torch.zeros((len(unique), width), dtype=torch.long)
-        for i, (prompt, _key) in enumerate(unique):
+        for i, (prompt, _key, _images) in enumerate(unique):
             ids_U_L[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask_U_L[i, width - len(prompt) :] = 1
         ids_U_L, mask_U_L = ids_U_L.to(self.device), mask_U_L.to(self.device)
@@ -161,9 +170,13 @@ class ContinuousBatch:
         # Room for the first tokens only: the cache grows (doubling) as rows keep decoding, so
         # a row allowed the rest of a long context costs that memory only if it uses it.
         capacity = width + min(INITIAL_ROOM, max(r.params.max_tokens for r in rows))
-        logits, state = self.decoder.prefill(
-            ids_U_L, mask_U_L, positions_U_L, [k for _, k in unique], capacity
-        )
+        keys = [k for _, k, _ in unique]
+        if isinstance(self.decoder, VLDecoder):
+            logits, state = self.decoder.prefill(
+                ids_U_L, mask_U_L, positions_U_L, keys, capacity, images
+            )
+        else:
+            logits, state = self.decoder.prefill(ids_U_L, mask_U_L, positions_U_L, keys, capacity)
         next_pos = positions_U_L[:, -1] + 1
         index = torch.tensor(expand, device=self.device)
         if len(unique) < len(rows):

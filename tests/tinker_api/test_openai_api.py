@@ -233,6 +233,10 @@ def test_it_answers_404_for_another_teams_job_by_id_name_and_checkpoint(
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages[0].content[0]",
         ),
         ({"seed": "abc"}, "seed"),

@@ -1,5 +1,6 @@
 """``/v1`` on a vision-language base model (models/tiny-vl, Qwen2.5-VL): its text side serves
-chat and completions like any base model. The official ``openai`` client talks to a live
+chat and completions like any base model, and chat messages carry images (``image_url`` parts
+with data URIs) that its vision tower reads. The official ``openai`` client talks to a live
 server, a real Celery worker and the model worker holding tiny-vl, whose config keeps the
 decoder's vocabulary and context in its text config (``config.get_text_config()``)."""
 
@@ -80,3 +81,39 @@ def test_it_serves_chat_and_completions_on_a_vision_language_base_model(
         api.chat.completions.create(model=VL_NAME, messages=QUESTION, max_tokens=1500)
     assert too_long.value.body["code"] == "context_length_exceeded"
     assert "maximum context length is 1024 tokens" in too_long.value.body["message"]
+
+
+def test_it_answers_a_chat_about_an_image_as_the_engine_does(
+    server: str, owner_key: tuple[Any, str]
+) -> None:
+    from tests.tinker_api.test_openai_images import asking, picture, reference
+    from training.engine import Engine
+
+    engine = Engine(TINY_VL_MODEL, device="cpu")
+    api = openai.OpenAI(base_url=server, api_key=owner_key[1], timeout=120, max_retries=0)
+    question = "What colour is the shape?"
+    for seed in (1, 2):
+        png = picture(seed)
+        tokens, prompt_tokens = reference(engine, png, question, 6)
+        expected = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        create = {
+            "model": VL_NAME,
+            "messages": asking(png, question),
+            "max_tokens": 6,
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+        }
+        chat = api.chat.completions.create(**create)
+        assert chat.choices[0].message.content == expected
+        assert chat.usage is not None and chat.usage.prompt_tokens == prompt_tokens
+        streamed = "".join(
+            c.delta.content or ""
+            for chunk in api.chat.completions.create(**create, stream=True)
+            for c in chunk.choices
+        )
+        assert streamed == expected
+    messages = asking(picture(1))
+    messages[0]["content"][1]["image_url"]["url"] = "http://127.0.0.1/a.png"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=VL_NAME, messages=messages, max_tokens=2)
+    assert refused.value.body["param"] == "messages[0].content[1].image_url.url"

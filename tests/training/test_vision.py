@@ -285,3 +285,44 @@ def test_it_never_samples_an_image_placeholder(
         topk_logprobs=int(engine.model.config.get_text_config().vocab_size),
     )
     assert pad in [token for token, _ in free.topk_logprobs[0]]
+
+
+def test_a_continuous_batch_decodes_rows_with_images_as_generate_does(
+    arch: str, tokenizer: Any, images: list[vision.ImageInput], tiny_model: Any
+) -> None:
+    from training.continuous import ContinuousBatch, Row
+
+    engine = Engine(vl_models.build_vl_model(arch, tokenizer), tokenizer=tokenizer)
+    policy = _perturbed_policy(engine, 3)
+    # Rows of the base and an adapter, with images, without, and two samples of one prompt.
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11)
+    cases = [
+        (_sequence(tokenizer, images[:2], [7]), tuple(images[:2]), policy.id, 0),
+        (_sequence(tokenizer, images[:2], [7]), tuple(images[:2]), policy.id, 1),
+        (_sequence(tokenizer, [images[2]], [9, 4]), (images[2],), None, 0),
+        ([5, 6, 7, 8], (), policy.id, 0),
+    ]
+    rows = [
+        Row(p, params, adapter=k, sample_index=j, stop_on_eos=False, images=imgs)
+        for p, imgs, k, j in cases
+    ]
+    batch = ContinuousBatch(engine.model, tokenizer, engine.host)
+    got: dict[int, list[int]] = {ident: [] for ident in batch.add(rows)}
+    while len(batch):
+        for token in batch.step():
+            got[token.row].append(token.token)
+    expected = generate(
+        engine.model,
+        tokenizer,
+        [p for p, _, _, _ in cases],
+        params,
+        adapters=[k for _, _, k, _ in cases],
+        host=engine.host,
+        sample_indices=[j for _, _, _, j in cases],
+        stop_on_eos=False,
+        images=[imgs for _, imgs, _, _ in cases],
+    )
+    assert [got[i] for i in sorted(got)] == [s.tokens for s in expected]
+    assert got[0] != got[1]  # two samples of one prompt draw their own streams
+    with pytest.raises(ValueError, match="no vision tower"):
+        ContinuousBatch(tiny_model, None).check(Row([5, 6], params, images=(images[0],)))

@@ -1,22 +1,26 @@
 """OpenAI request bodies: validated here, at the door, into the op a model worker runs.
 
 Field names, ranges and defaults follow OpenAI's API reference; ``null`` means the default
-wherever OpenAI allows it. What the engine cannot do (JSON mode, ``suffix``, images, audio,
-predicted outputs, web search) is refused with a 400 naming the parameter rather than
-silently ignored; fields that only describe the caller or tune OpenAI's own service
-(``user``, ``metadata``, ``store``, ``prompt_cache_key`` ...) are accepted and ignored. An
-unknown field is a 400, as OpenAI does. Types are strict, as OpenAI's are: ``"2"``, ``true``
-or ``2.0`` is no integer, ``"yes"`` no boolean; NaN and Infinity are not JSON.
+wherever OpenAI allows it. What the engine cannot do (JSON mode, ``suffix``, audio, image
+URLs on the network, predicted outputs, web search) is refused with a 400 naming the
+parameter rather than silently ignored; images come as ``data:`` URIs. Fields that only
+describe the caller or tune OpenAI's own service (``user``, ``metadata``, ``store``,
+``prompt_cache_key`` ...) are accepted and ignored. An unknown field is a 400, as OpenAI
+does. Types are strict, as OpenAI's are: ``"2"``, ``true`` or ``2.0`` is no integer, ``"yes"``
+no boolean; NaN and Infinity are not JSON.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tinker_api.images import MAX_IMAGE_BYTES
 from tinker_api.serving.errors import ApiError
 
 MAX_CHOICES = 64
@@ -296,23 +300,71 @@ def _params(req: _Common, max_tokens: int | None) -> dict[str, Any]:
     }
 
 
-def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+def _image(part: dict[str, Any], where: str) -> str:
+    """An ``image_url`` part's image: the base64 of a ``data:image/...;base64,`` URI."""
+    given = part.get("image_url")
+    if not isinstance(given, dict) or not isinstance(given.get("url"), str):
+        param = f"{where}.image_url"
+        raise ApiError(400, f"{param}: an image part needs image_url: {{url: ...}}", param)
+    param = f"{where}.image_url.url"
+    if given.get("detail") not in (None, "auto", "low", "high"):
+        detail = f"{where}.image_url.detail"
+        raise ApiError(400, f"{detail}: must be auto, low or high", detail)
+    head, _, payload = given["url"].partition(",")
+    if not head.startswith("data:"):
+        raise ApiError(
+            400,
+            f"{param}: this server fetches no URLs; send the image as a data URI "
+            "(data:image/png;base64,...)",
+            param,
+        )
+    if not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise ApiError(400, f"{param}: a data URI must be data:image/...;base64,...", param)
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ApiError(400, f"{param}: the image is over {MAX_IMAGE_BYTES} bytes", param)
+    try:
+        base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(400, f"{param}: the data URI's base64 is invalid: {exc}", param) from None
+    return payload
+
+
+def _content(
+    content: str | list[dict[str, Any]] | None, where: str, images: list[dict[str, str]]
+) -> str | list[dict[str, Any]]:
+    """A message's content as the chat template reads it: its text, or (where it carries
+    images) its parts in order, each image a ``{"type": "image"}`` part whose data goes to
+    ``images``."""
     if content is None or isinstance(content, str):
         return content or ""
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type")
+        at = f"{where}.content[{i}]"
+        if kind == "image_url":
+            images.append({"data": _image(part, at), "where": at})
+            parts.append({"type": "image"})
+            continue
         if kind not in ("text", "input_text"):
             raise ApiError(
                 400,
-                f"content parts of type {kind!r} are not supported (this server is text-only)",
-                f"{where}.content[{i}]",
+                f"content parts of type {kind!r} are not supported (only text and image_url)",
+                at,
             )
         if not isinstance(part.get("text"), str):
-            param = f"{where}.content[{i}].text"
+            param = f"{at}.text"
             raise ApiError(400, f"{param}: a text part's text must be a string", param)
-        parts.append(part["text"])
-    return "".join(parts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def content_text(content: str | list[dict[str, Any]]) -> str:
+    """The text of a rendered message's content (its image parts spell none)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content)
 
 
 def _check_message(m: Message, where: str) -> None:
@@ -365,12 +417,13 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     if both and req.max_tokens != req.max_completion_tokens:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
     messages = []
+    images: list[dict[str, str]] = []
     for i, m in enumerate(req.messages):
         _check_message(m, f"messages[{i}]")
         rendered: dict[str, Any] = {k: v for k, v in m.model_dump().items() if v is not None}
         # Chat templates know system, not OpenAI's newer "developer".
         rendered["role"] = "system" if m.role == "developer" else m.role
-        rendered["content"] = _text(m.content, f"messages[{i}]")
+        rendered["content"] = _content(m.content, f"messages[{i}]", images)
         if m.tool_calls:
             rendered["tool_calls"] = _tool_calls(m.tool_calls)
         messages.append(rendered)
@@ -384,6 +437,8 @@ def chat_op(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         "top_logprobs": int(req.top_logprobs or 0),
         "params": _params(req, req.max_completion_tokens or req.max_tokens),
     }
+    if images:
+        op["images"] = images
     return req, op
 
 

@@ -25,7 +25,7 @@ from rest_framework.exceptions import AuthenticationFailed
 
 from accounts.authentication import ApiKeyAuthentication
 from jobs.models import Job
-from tinker_api import events
+from tinker_api import events, images
 from tinker_api.services import serving
 from tinker_api.services.lookups import Caller
 from tinker_api.serving import params
@@ -276,6 +276,7 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
         req, op = params.completion_op(body)
     served = _resolve(caller, req.model)
     _check_prompt_size(served.base, op)
+    _check_images(served.base, op)
     try:
         rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
     except serving.Busy as exc:
@@ -305,6 +306,14 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
             release()
 
 
+def _check_images(base: Any, op: dict[str, Any]) -> None:
+    """Images for a text-only base model are refused here, without a trip to its worker."""
+    given = op.get("images")
+    if given and images.geometry(base.resolved_path()) is None:
+        where = given[0]["where"]
+        raise ApiError(400, f"{where}: base model {base.name} takes no images", where)
+
+
 def _check_prompt_size(base: Any, op: dict[str, Any]) -> None:
     """Refuse a prompt that cannot fit the base model's context before the model worker
     tokenizes it: a text longer than the context times the longest token's bytes is more
@@ -326,7 +335,7 @@ def _check_prompt_size(base: Any, op: dict[str, Any]) -> None:
             )
 
     if op["mode"] == "chat":
-        texts = (str(m.get("content") or "") for m in op["messages"])
+        texts = (params.content_text(m.get("content") or "") for m in op["messages"])
         check_text("messages", sum(len(t.encode("utf-8", "surrogatepass")) for t in texts))
         return
     for p in op["prompts"]:

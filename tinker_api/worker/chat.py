@@ -24,6 +24,7 @@ from typing import Any
 
 from tinker_api import events, futures
 from tinker_api.serving.toolcalls import TOOL_CALL_OPEN
+from tinker_api.worker.chat_prompts import BadRequest, PromptRenderer
 from tinker_api.worker.requests import Op, RequestError, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.textstream import TextStream
@@ -39,22 +40,8 @@ from workers import conf
 log = logging.getLogger(__name__)
 
 
-CONTEXT_EXCEEDED = "context_length_exceeded"
-# A request without max_tokens, on a model whose config names no context length.
-FALLBACK_MAX_TOKENS = 4096
-
-
 class Stopped(RuntimeError):
     """The worker ends its requests (it stops): the reason is the client's to read."""
-
-
-class BadRequest(RequestError):
-    """A request the client must change: answered 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass(eq=False)
@@ -132,6 +119,7 @@ class ChatHandler:
         self.tokenizer: Any = engine.tokenizer
         self.eos = set(default_stop_ids(engine.model, engine.tokenizer))
         self.token_text = TokenText(engine.tokenizer)
+        self.render = PromptRenderer(base, engine)
         self.batch = ContinuousBatch(engine.model, engine.tokenizer, engine.host)
         # Row id -> the request and choice it generates; the requests in the batch; requests
         # read while a batch that cannot take new rows runs (a model without a joining
@@ -148,94 +136,6 @@ class ChatHandler:
     @property
     def busy(self) -> bool:
         return bool(self.runs) or bool(self.waiting)
-
-    # ------------------------------------------------------------------ prompts
-
-    def _text_config(self) -> Any:
-        # A vision-language config keeps the decoder's sizes in its text config; a text-only
-        # config returns itself.
-        return self.engine.model.config.get_text_config()
-
-    def _context(self, op: Op) -> int:
-        model_config = self._text_config()
-        limit = int(op.fields.get("max_context") or 0)
-        positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
-        return min(x for x in (limit, positions) if x) if (limit or positions) else 0
-
-    def _prompts(self, op: Op) -> list[list[int]]:
-        f = op.fields
-        vocab = int(self._text_config().vocab_size)
-        if f["mode"] == "chat":
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise BadRequest(
-                    f"base model {self.base} has no chat template; use /v1/completions", "model"
-                )
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    f["messages"],
-                    tools=f.get("tools") or None,
-                    add_generation_prompt=True,
-                    tokenize=False,
-                )
-            except Exception as exc:
-                raise BadRequest(
-                    f"the chat template refused the messages: {exc}", "messages"
-                ) from exc
-            prompts = [list(self.tokenizer.encode(text, add_special_tokens=False))]
-            where = "messages"
-        else:
-            prompts = []
-            for p in f["prompts"]:
-                if isinstance(p, str):
-                    # An empty text is continued from the start of a document, as OpenAI
-                    # does (its <|endoftext|>): the tokenizer's BOS, else its EOS.
-                    prompts.append(list(self.tokenizer.encode(p)) or self._document_start())
-                else:
-                    ids = [int(t) for t in p]
-                    if any(not 0 <= t < vocab for t in ids):
-                        raise BadRequest(f"token ids must lie in [0, {vocab})", "prompt")
-                    prompts.append(ids)
-            where = "prompt"
-        if any(not p for p in prompts):
-            raise BadRequest("the prompt renders to no tokens", where)
-        context = self._context(op)
-        asked = f["params"].get("max_tokens")
-        for p in prompts:
-            room = context - len(p) if context else None
-            # OpenAI's wording ("maximum context length") and code: what clients that trim
-            # and retry look for.
-            if room is not None and room < 1:
-                raise BadRequest(
-                    f"{self.base}'s maximum context length is {context} tokens; the prompt "
-                    f"has {len(p)}",
-                    where,
-                    CONTEXT_EXCEEDED,
-                )
-            if asked is not None and room is not None and asked > room:
-                raise BadRequest(
-                    f"{self.base}'s maximum context length is {context} tokens; the prompt "
-                    f"({len(p)} tokens) and max_tokens ({asked}) ask for {len(p) + asked}",
-                    "max_tokens",
-                    CONTEXT_EXCEEDED,
-                )
-        return prompts
-
-    def _document_start(self) -> list[int]:
-        for token in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id):
-            if token is not None:
-                return [int(token)]
-        return []
-
-    def _max_tokens(self, op: Op, prompt: list[int]) -> int:
-        asked = op.fields["params"].get("max_tokens")
-        if asked is not None:
-            return int(asked)
-        # OpenAI's default is the rest of the context; an operator of long-context models may
-        # cap it (a row decoding to 128k tokens holds a batch's slot for a long time).
-        cap = conf.int_setting("OPENTINKER_OPENAI_DEFAULT_MAX_TOKENS", minimum=0)
-        context = self._context(op)
-        room = context - len(prompt) if context else (cap or FALLBACK_MAX_TOKENS)
-        return max(1, min(room, cap) if cap else room)
 
     # ------------------------------------------------------------------ logprobs
 
@@ -368,7 +268,8 @@ class ChatHandler:
     def _prepare(self, op: Op) -> tuple[Running, list[Row]]:
         f = op.fields
         key = self.samplers.key(f["target"], self.policies)
-        prompts = self._prompts(op)
+        rendered = self.render.prompts(op)
+        prompts = rendered.tokens
         sp = f["params"]
         stop = tuple(str(s) for s in sp.get("stop") or ())
         top = int(f.get("top_logprobs") or 0)
@@ -383,7 +284,7 @@ class ChatHandler:
         echoes = self._echo(op, prompts, key) if f.get("echo") else [None] * len(prompts)
         rows = []
         for i, prompt in enumerate(prompts):
-            limit = self._max_tokens(op, prompt)
+            limit = self.render.max_tokens(op, prompt)
             if limit == 0:
                 # Nothing to generate (an echo of the prompt, scored): no row.
                 for j in range(n):
@@ -403,7 +304,15 @@ class ChatHandler:
             )
             for j in range(n):
                 eos = not sp.get("ignore_eos")
-                row = Row(prompt, params, key, sample_index=j, stop_on_eos=eos, topk=top)
+                row = Row(
+                    prompt,
+                    params,
+                    key,
+                    sample_index=j,
+                    stop_on_eos=eos,
+                    topk=top,
+                    images=rendered.images[i],
+                )
                 try:
                     self.batch.check(row)
                 except ValueError as exc:
