@@ -1,4 +1,5 @@
-"""An inspect-ai task over a job's held-out ``math`` prompts, graded by the env itself.
+"""An inspect-ai task over a job's held-out prompts (``math``, or ``geometry`` with its diagrams
+as images), graded by the env itself.
 
 ``prompts`` names a JSON file: a list of ``{"messages": [...], "group": {...}}``, where
 ``messages`` are the env's first observation of a held-out row (what the job's evaluation
@@ -20,13 +21,27 @@ from typing import Any
 
 from inspect_ai import Task, task
 from inspect_ai.dataset import MemoryDataset, Sample
-from inspect_ai.model import ChatMessageSystem, ChatMessageUser
+from inspect_ai.model import ChatMessageSystem, ChatMessageUser, ContentImage, ContentText
 from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
 from inspect_ai.solver import TaskState, generate
 
 from environments.registry import build_group
 
 ROLES = {"system": ChatMessageSystem, "user": ChatMessageUser}
+
+
+def content(given: Any) -> Any:
+    """An env message's content in inspect's types: its text, or text and image parts (the
+    images as the data URIs the env wrote, which inspect's OpenAI provider sends as
+    ``image_url`` parts)."""
+    if isinstance(given, str):
+        return given
+    return [
+        ContentImage(image=part["image"])
+        if part["type"] == "image"
+        else ContentText(text=part["text"])
+        for part in given
+    ]
 
 
 @scorer(metrics=[accuracy()])
@@ -50,7 +65,7 @@ def held_out(prompts: str) -> Task:
     samples = [
         Sample(
             id=i,
-            input=[ROLES[m["role"]](content=m["content"]) for m in row["messages"]],
+            input=[ROLES[m["role"]](content=content(m["content"])) for m in row["messages"]],
             target=str(row["group"]["row"]["answer"]),
             metadata={"group": row["group"]},
         )
