@@ -9,15 +9,17 @@ import yaml
 from django import forms
 
 from accounts.json_checks import MAX_JSON_DEPTH, json_depth
-from accounts.models import Membership, Team
+from accounts.models import Invitation, Membership, Team
 from accounts.validators import validate_display_name
 from environments.datasets import builtin_names
 from environments.registry import env_names, get_env
-from jobs.models import BaseModel, Dataset
+from jobs.models import BaseModel, Dataset, JobState
 
 from .spec_form import METHOD_HELP, SpecFields
 
 UPLOAD = "__upload__"
+# A spec is a few hundred bytes; the same bound for one typed in and one uploaded.
+MAX_SPEC_BYTES = 1_000_000
 
 
 class SpecYamlLoader(yaml.SafeLoader):
@@ -128,27 +130,60 @@ class JobForm(forms.Form):
         return data
 
 
+class JobFilterForm(forms.Form):
+    """The jobs list's query parameters. Bounded because the search becomes a LIKE pattern
+    per column: SQLite refuses one over 50,000 bytes and PostgreSQL any NUL character, both
+    as server errors rather than as a filter that matches nothing."""
+
+    ACTIVE = "active"
+
+    q = forms.CharField(required=False, max_length=200, label="Search")
+    state = forms.ChoiceField(
+        required=False,
+        label="State",
+        choices=[("", "Any"), (ACTIVE, "Not finished"), *JobState.choices],
+    )
+
+
 class YamlJobForm(forms.Form):
     name = forms.CharField(max_length=200, required=False, validators=[validate_display_name])
     spec_yaml = forms.CharField(
+        max_length=MAX_SPEC_BYTES,
         label="Job spec (YAML or JSON)",
         widget=forms.Textarea(attrs={"rows": 14, "spellcheck": "false"}),
         help_text="The same JobSpec the API and the CLI accept, e.g. `method: smoke`.",
     )
     spec_file = forms.FileField(required=False, label="…or a spec file")
 
+    def _file_text(self, upload: Any) -> str | None:
+        """The spec file as text, or None with the reason beside the field. A file cut at
+        the limit could still parse, as a different spec (its tail of settings lost)."""
+        raw: bytes = upload.read(MAX_SPEC_BYTES + 1)
+        if len(raw) > MAX_SPEC_BYTES:
+            self.add_error("spec_file", f"the spec file is larger than {MAX_SPEC_BYTES} bytes")
+            return None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.add_error("spec_file", f"the spec file is not UTF-8 text (byte {exc.start})")
+            return None
+
     def clean(self) -> dict[str, Any]:
         data = super().clean()
         raw = data.get("spec_yaml") or ""
         if data.get("spec_file"):
-            raw = data["spec_file"].read(1_000_000).decode("utf-8", errors="replace")
+            text = self._file_text(data["spec_file"])
+            if text is None:
+                return data
+            raw = text
         try:
             spec = yaml.load(raw, Loader=SpecYamlLoader)
         except yaml.YAMLError as exc:
             self.add_error("spec_yaml", f"not valid YAML: {exc}")
             return data
         except RecursionError:
-            spec = None
+            self.add_error("spec_yaml", f"the spec is nested deeper than {MAX_JSON_DEPTH} levels")
+            return data
         except ValueError as exc:
             # Python's own guards, not YAML errors: an integer of thousands of digits, a date
             # such as 2024-13-45.
@@ -178,7 +213,9 @@ class KeyForm(forms.Form):
 
 
 class InviteForm(forms.Form):
-    email = forms.EmailField()
+    # The column's length (RFC 5321's path limit): the form's own default lets 320 through,
+    # which PostgreSQL refuses as a server error.
+    email = forms.EmailField(max_length=Invitation._meta.get_field("email").max_length)
     role = forms.ChoiceField(choices=Membership.Role.choices, initial=Membership.Role.MEMBER)
 
 

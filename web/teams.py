@@ -1,7 +1,8 @@
 """The team a signed-in user is looking at, kept in the session.
 
-Every page reads its team through ``current_team``; objects of other teams are looked up
-through querysets filtered by that team, so a foreign id answers 404 like an unknown one.
+Every page reads its team through ``current_team`` (a form's post through ``page_team``, the
+team the form was shown for); objects are looked up through querysets filtered by the user's
+teams, so an id of a team the user is not in answers 404 like an unknown one.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import Http404, HttpRequest
 
 from accounts.models import Membership, Team
 
@@ -51,3 +52,18 @@ def role_in(team: Team, user: Any) -> str | None:
 
 def is_owner(team: Team, user: Any) -> bool:
     return role_in(team, user) == Membership.Role.OWNER
+
+
+def page_team(request: HttpRequest) -> Team | None:
+    """The team a form was filled in for: the one its page named (a hidden ``team`` field),
+    which becomes the current team, else the current one. A switch in another tab changes
+    the session's team under an open page; without the field its form would then create a
+    job, key, dataset or invitation in a team the page never showed."""
+    slug = request.POST.get("team") if request.method == "POST" else None
+    if not slug:
+        return current_team(request)
+    team = user_teams(request.user).filter(slug=slug).first()
+    if team is None:
+        raise Http404("you are not a member of that team")
+    set_current_team(request, team)
+    return team

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from django.http import Http404, HttpRequest, HttpResponse
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
 from accounts.models import Quota, Team
 from jobs import services
 from jobs.models import Job
-from web.teams import current_team, user_teams
+from web.teams import set_current_team, user_teams
 
-
-def require_team(request: HttpRequest) -> Team:
-    team = current_team(request)
-    if team is None:
-        raise Http404("you are not a member of any team yet")
-    return team
+M = TypeVar("M", bound=Model)
 
 
 def team_job(request: HttpRequest, job_id: Any) -> Job:
@@ -28,6 +24,18 @@ def team_job(request: HttpRequest, job_id: Any) -> Job:
         pk=job_id,
         team__in=user_teams(request.user),
     )
+
+
+def acted_on(request: HttpRequest, queryset: QuerySet[M], pk: Any) -> M:
+    """The object a button of a page acts on, from any team of the user, that team made the
+    current one. The page may be a tab opened before a switch to another team in a second
+    tab: its buttons still act on what it shows (a foreign object answers 404 like a missing
+    one), and the page the action returns to is that object's team's."""
+    obj = get_object_or_404(
+        queryset.select_related("team"), pk=pk, team__in=user_teams(request.user)
+    )
+    set_current_team(request, obj.team)  # type: ignore[attr-defined]
+    return obj
 
 
 def no_team(request: HttpRequest) -> HttpResponse:

@@ -7,20 +7,20 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from jobs import datasets as dataset_store
 from jobs.models import Dataset
 from web.forms import DatasetForm
-from web.teams import current_team
+from web.teams import page_team
 
-from .common import no_team, require_team
+from .common import acted_on, no_team
 
 
 @login_required
 def datasets(request: HttpRequest) -> HttpResponse:
-    team = current_team(request)
+    team = page_team(request)
     if team is None:
         return no_team(request)
     form = DatasetForm(request.POST or None, request.FILES or None)
@@ -49,8 +49,7 @@ def datasets(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_POST
 def dataset_delete(request: HttpRequest, pk: Any) -> HttpResponse:
-    team = require_team(request)
-    ds = get_object_or_404(Dataset, pk=pk, team=team)
+    ds = acted_on(request, Dataset.objects.all(), pk)
     try:
         dataset_store.delete_dataset(ds)
     except dataset_store.DatasetRejected as exc:

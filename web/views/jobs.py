@@ -19,21 +19,24 @@ from jobs import datasets as dataset_store
 from jobs import services
 from jobs.models import FINAL_STATES, Dataset, Job, JobState
 from web import actions
-from web.forms import UPLOAD, JobForm, YamlJobForm
+from web.forms import UPLOAD, JobFilterForm, JobForm, YamlJobForm
 from web.spec_form import SEP
-from web.teams import current_team
+from web.teams import current_team, page_team
 
 from .common import no_team, team_job, usage_bars
 
 
-def _filtered_jobs(request: HttpRequest, team: Team) -> QuerySet[Job]:
+def _filtered_jobs(filters: JobFilterForm, team: Team) -> QuerySet[Job]:
     jobs = Job.objects.filter(team=team).select_related("created_by").order_by("-created")
-    state = request.GET.get("state", "")
-    if state == "active":
+    if not filters.is_valid():
+        # A filter that cannot be applied lists nothing rather than every job unfiltered.
+        return jobs.none()
+    state = filters.cleaned_data["state"]
+    if state == JobFilterForm.ACTIVE:
         jobs = jobs.exclude(state__in=FINAL_STATES)
-    elif state in JobState.values:
+    elif state:
         jobs = jobs.filter(state=state)
-    q = request.GET.get("q", "").strip()
+    q = filters.cleaned_data["q"]
     if q:
         jobs = jobs.filter(
             Q(name__icontains=q)
@@ -49,24 +52,27 @@ def job_list(request: HttpRequest) -> HttpResponse:
     team = current_team(request)
     if team is None:
         return no_team(request)
-    page = Paginator(_filtered_jobs(request, team), 25).get_page(request.GET.get("page"))
+    filters = JobFilterForm(request.GET)
+    page = Paginator(_filtered_jobs(filters, team), 25).get_page(request.GET.get("page"))
     live = any(j.state not in FINAL_STATES for j in page.object_list)
     context = {
         "page": page,
         "jobs": page.object_list,
         "live": live,
         "live_interval": settings.OPENTINKER_WEB_LIVE_SECONDS,
+        "filters": filters,
         "states": JobState.choices,
         "state": request.GET.get("state", ""),
         "q": request.GET.get("q", ""),
         "query": request.GET.urlencode(),
         "now": timezone.now(),
     }
+    status = 200 if filters.is_valid() else 400
     if request.htmx:  # type: ignore[attr-defined]
-        response = render(request, "web/_job_rows.html", context)
+        response = render(request, "web/_job_rows.html", context, status=status)
     else:
         context["usage"] = usage_bars(team)
-        response = render(request, "web/job_list.html", context)
+        response = render(request, "web/job_list.html", context, status=status)
     # The same URL answers a fragment to htmx: caches must tell the two apart.
     patch_vary_headers(response, ["HX-Request"])
     return response
@@ -74,7 +80,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def job_new(request: HttpRequest) -> HttpResponse:
-    team = current_team(request)
+    team = page_team(request)
     if team is None:
         return no_team(request)
     form = JobForm(request.POST or None, request.FILES or None, team=team)
@@ -130,7 +136,7 @@ def _attach_errors(form: Any, errors: list[dict[str, str]]) -> None:
 
 @login_required
 def job_new_yaml(request: HttpRequest) -> HttpResponse:
-    team = current_team(request)
+    team = page_team(request)
     if team is None:
         return no_team(request)
     form = YamlJobForm(request.POST or None, request.FILES or None)
@@ -158,5 +164,17 @@ def job_cancel(request: HttpRequest, job_id: Any) -> HttpResponse:
             messages.error(request, f"Cannot cancel: {exc}.")
         else:
             messages.success(request, f"Cancel of {job.name} requested.")
+        return redirect("web:job_detail", job_id=job.pk)
+    # A link to this page outlives the job's run (an old tab, a shared link): asking
+    # "cancel?" about a job that has ended, or is already stopping, would mislead.
+    if job.is_final:
+        messages.info(
+            request,
+            f"Job {job.name} has already ended ({job.get_state_display()}): "
+            "there is nothing to cancel.",
+        )
+        return redirect("web:job_detail", job_id=job.pk)
+    if job.cancel_requested:
+        messages.info(request, f"Cancel of {job.name} was already requested.")
         return redirect("web:job_detail", job_id=job.pk)
     return render(request, "web/job_cancel.html", {"job": job})

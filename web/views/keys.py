@@ -7,8 +7,9 @@ from datetime import timedelta
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
-from django.shortcuts import get_object_or_404, redirect, render
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
@@ -16,9 +17,9 @@ from django.views.decorators.http import require_POST
 from accounts.keys import KeyRefused, issue_key, revoke_key, rotate_key
 from accounts.models import ApiKey, Team
 from web.forms import KeyForm
-from web.teams import current_team, is_owner
+from web.teams import is_owner, page_team
 
-from .common import no_team, require_team
+from .common import acted_on, no_team
 
 
 def _can_manage_key(request: HttpRequest, key: ApiKey) -> bool:
@@ -50,7 +51,7 @@ def _keys_page(
 @login_required
 @never_cache
 def keys(request: HttpRequest) -> HttpResponse:
-    team = current_team(request)
+    team = page_team(request)
     if team is None:
         return no_team(request)
     if request.method == "POST":
@@ -68,18 +69,13 @@ def keys(request: HttpRequest) -> HttpResponse:
     return _keys_page(request, team)
 
 
-def _team_key(request: HttpRequest, pk: int) -> ApiKey:
-    team = require_team(request)
-    return get_object_or_404(ApiKey.objects.select_related("team"), pk=pk, team=team)
-
-
 @login_required
 @require_POST
 @never_cache
 def key_rotate(request: HttpRequest, pk: int) -> HttpResponse:
-    key = _team_key(request, pk)
+    key = acted_on(request, ApiKey.objects.all(), pk)
     if not _can_manage_key(request, key):
-        return HttpResponseForbidden("only the key's creator or a team owner may rotate it")
+        raise PermissionDenied("only the key's creator or a team owner may rotate it")
     try:
         new, secret = rotate_key(key, user=request.user)
     except KeyRefused as exc:
@@ -93,9 +89,9 @@ def key_rotate(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
-    key = _team_key(request, pk)
+    key = acted_on(request, ApiKey.objects.all(), pk)
     if not _can_manage_key(request, key):
-        return HttpResponseForbidden("only the key's creator or a team owner may revoke it")
+        raise PermissionDenied("only the key's creator or a team owner may revoke it")
     if revoke_key(key):
         messages.success(request, f"Key {key.name} ({key.display_prefix}) revoked.")
     else:

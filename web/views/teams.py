@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidden
-from django.shortcuts import get_object_or_404, redirect, render
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
@@ -17,9 +18,9 @@ from accounts import teams
 from accounts.models import Invitation, Membership
 from web import actions
 from web.forms import InviteForm, RoleForm
-from web.teams import current_team, is_owner, set_current_team, user_teams
+from web.teams import current_team, is_owner, page_team, set_current_team, user_teams
 
-from .common import no_team, require_team, usage_bars
+from .common import acted_on, no_team, usage_bars
 
 
 @login_required
@@ -62,9 +63,11 @@ def team_page(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_POST
 def team_invite(request: HttpRequest) -> HttpResponse:
-    team = require_team(request)
+    team = page_team(request)
+    if team is None:
+        return no_team(request)
     if not is_owner(team, request.user):
-        return HttpResponseForbidden("only team owners may invite")
+        raise PermissionDenied("only team owners may invite")
     form = InviteForm(request.POST)
     if not form.is_valid():
         for field, errs in form.errors.items():
@@ -91,11 +94,11 @@ def team_invite(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_POST
 def team_remove(request: HttpRequest, pk: int) -> HttpResponse:
-    team = require_team(request)
-    membership = get_object_or_404(Membership.objects.select_related("user"), pk=pk, team=team)
+    membership = acted_on(request, Membership.objects.select_related("user"), pk)
+    team = membership.team
     leaving = membership.user_id == request.user.pk
     if not leaving and not is_owner(team, request.user):
-        return HttpResponseForbidden("only team owners may remove members")
+        raise PermissionDenied("only team owners may remove members")
     try:
         if leaving:
             teams.leave_team(team, request.user)
@@ -104,34 +107,39 @@ def team_remove(request: HttpRequest, pk: int) -> HttpResponse:
     except teams.TeamRefused as exc:
         messages.error(request, str(exc))
         return redirect("web:team")
-    messages.success(request, f"{membership.user} left {team.name}.")
-    return redirect("web:jobs" if leaving else "web:team")
+    if leaving:
+        messages.success(request, f"You left {team.name}.")
+        return redirect("web:jobs")
+    messages.success(request, f"{membership.user} was removed from {team.name}.")
+    return redirect("web:team")
 
 
 @login_required
 @require_POST
 def team_role(request: HttpRequest, pk: int) -> HttpResponse:
-    team = require_team(request)
-    if not is_owner(team, request.user):
-        return HttpResponseForbidden("only team owners may change roles")
-    membership = get_object_or_404(Membership.objects.select_related("user"), pk=pk, team=team)
+    membership = acted_on(request, Membership.objects.select_related("user"), pk)
+    if not is_owner(membership.team, request.user):
+        raise PermissionDenied("only team owners may change roles")
     form = RoleForm(request.POST)
-    if form.is_valid():
-        role = form.cleaned_data["role"]
-        try:
-            teams.change_role(membership, role)
-        except teams.TeamRefused as exc:
-            messages.error(request, str(exc))
-        else:
-            messages.success(request, f"{membership.user} is now {role}.")
+    if not form.is_valid():
+        for errs in form.errors.values():
+            messages.error(request, f"Role of {membership.user}: {' '.join(errs)}")
+        return redirect("web:team")
+    role = form.cleaned_data["role"]
+    try:
+        teams.change_role(membership, role)
+    except teams.TeamRefused as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"{membership.user} is now {role}.")
     return redirect("web:team")
 
 
 @login_required
 @require_POST
 def invite_cancel(request: HttpRequest, pk: int) -> HttpResponse:
-    team = require_team(request)
-    if not is_owner(team, request.user):
-        return HttpResponseForbidden("only team owners may withdraw invitations")
-    teams.withdraw_invitation(get_object_or_404(Invitation, pk=pk, team=team))
+    invitation = acted_on(request, Invitation.objects.all(), pk)
+    if not is_owner(invitation.team, request.user):
+        raise PermissionDenied("only team owners may withdraw invitations")
+    teams.withdraw_invitation(invitation)
     return redirect("web:team")

@@ -38,7 +38,10 @@ def _parts(message: dict[str, Any]) -> list[dict[str, str]]:
         if part.get("type") == "text":
             out.append({"text": str(part.get("text", ""))})
         elif part.get("type") in ("image", "image_url"):
-            uri = part.get("image") or (part.get("image_url") or {}).get("url", "")
+            uri = part.get("image") or part.get("image_url") or ""
+            # OpenAI's shape nests the URI ({"url": ...}); some environments give it bare.
+            if isinstance(uri, dict):
+                uri = uri.get("url", "")
             if isinstance(uri, str) and _IMAGE_URI.match(uri):
                 out.append({"image": uri})
             else:
@@ -46,17 +49,24 @@ def _parts(message: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    """The mappings of a list; anything else is no list at all. A transcript is written by
+    the runner from what an environment returned, so its shape is checked, not trusted."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
 def _episode(index: int, line: str) -> dict[str, Any]:
     try:
         data = json.loads(line)
-    except ValueError:
-        return {"index": index, "broken": True}
+    except (ValueError, RecursionError):
+        return {"index": index, "broken": "this line is not valid JSON"}
+    if not isinstance(data, dict):
+        return {"index": index, "broken": "this line is not a JSON object"}
     turns = []
-    for turn in data.get("turns") or []:
+    for turn in _dicts(data.get("turns")):
         messages = [
             {"role": str(m.get("role", "")), "parts": _parts(m)}
-            for m in turn.get("observation") or []
-            if isinstance(m, dict)
+            for m in _dicts(turn.get("observation"))
         ]
         turns.append(
             {
@@ -88,13 +98,15 @@ def job_transcript(request: HttpRequest, job_id: Any, name: str) -> HttpResponse
     first = (page - 1) * PER_PAGE
     episodes = []
     total = 0
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
+    # Pages count episodes, not lines: a blank line must not shift the pages past the links.
+    # Bytes that are not UTF-8 (a model's output cut mid-character) show as U+FFFD.
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
             if not line.strip():
                 continue
+            if first <= total < first + PER_PAGE:
+                episodes.append(_episode(total + 1, line))
             total += 1
-            if first <= i < first + PER_PAGE:
-                episodes.append(_episode(i + 1, line))
     return render(
         request,
         "web/transcript.html",
