@@ -3,19 +3,20 @@ base-model list."""
 
 from __future__ import annotations
 
-import io
-import json
 import math
 from collections import defaultdict
+from types import SimpleNamespace
 
 from django.core.files.uploadhandler import FileUploadHandler, SkipFile
 from django.db.models import QuerySet
-from django.http import FileResponse, HttpRequest
+from django.http import HttpRequest
+from django.http.response import HttpResponseBase
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -26,8 +27,8 @@ from accounts.models import Quota
 from accounts.pagination import CheckedCursorPagination
 from accounts.scoping import resolve_team, team_ids_for
 
-from . import artifacts, datasets, sampling, services
-from .filters import DatasetFilter, JobFilter
+from . import artifacts, datasets, downloads, sampling, services
+from .filters import DatasetFilter, JobFilter, StrictFilterBackend
 from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
 from .serializers import (
     ArtifactSerializer,
@@ -74,6 +75,7 @@ class JobViewSet(
 
     serializer_class = JobSerializer
     filterset_class = JobFilter
+    filter_backends = [StrictFilterBackend]
 
     def get_queryset(self) -> QuerySet[Job]:
         return Job.objects.filter(team_id__in=team_ids_for(self.request)).select_related(
@@ -149,6 +151,9 @@ class JobViewSet(
         job = self.get_object()
         rows = JobMetric.objects.filter(job=job)
         names = request.query_params.getlist("name")
+        if any("\x00" in n for n in names):
+            # PostgreSQL cannot compare text with a NUL in it: the query itself would fail.
+            raise ValidationError({"name": ["Null characters are not allowed."]})
         if names:
             rows = rows.filter(name__in=names)
         since = request.query_params.get("since_step")
@@ -192,23 +197,19 @@ class JobViewSet(
     )
     def checkpoint_download(
         self, request: Request, pk: str | None = None, name: str = ""
-    ) -> FileResponse:
-        """A native checkpoint's ``state.pt`` (weights, AdamW state, step, RNG; ``torch.load``),
-        or a verl checkpoint's ``global_step_N`` directory as a zip."""
+    ) -> HttpResponseBase:
+        """A native checkpoint's ``state.pt`` (weights, AdamW state, step, RNG; ``torch.load``;
+        ``Range`` continues a broken download), or a verl checkpoint's ``global_step_N``
+        directory as a zip."""
         job = self.get_object()
         path = artifacts.checkpoint_download(job.pk, name)
         if path is None:
             raise NotFound(f"job has no checkpoint {name!r}")
         if path.is_dir():
-            return FileResponse(
-                artifacts.zip_directory(path, compress=False),
-                as_attachment=True,
-                filename=f"{job.pk}-{name}.zip",
-                content_type="application/zip",
-            )
-        return FileResponse(
-            path.open("rb"),
-            as_attachment=True,
+            return downloads.zip_response(request, path, f"{job.pk}-{name}.zip", compress=False)
+        return downloads.file_response(
+            request,
+            path,
             filename=f"{job.pk}-{name}-state.pt",
             content_type="application/octet-stream",
         )
@@ -294,34 +295,29 @@ class JobViewSet(
     )
     def artifact_download(
         self, request: Request, pk: str | None = None, name: str = ""
-    ) -> FileResponse:
-        """One artifact: a directory (``adapter``, ``model``) as a zip, a file as it is."""
+    ) -> HttpResponseBase:
+        """One artifact: a directory (``adapter``, ``model``) as a zip, a file as it is (``Range``
+        continues a broken download)."""
         job = self.get_object()
         if name == artifacts.METRICS_ARTIFACT:
             rows = JobMetric.objects.filter(job=job).order_by("step", "name")
-            lines = (
-                json.dumps({"step": step, "name": metric, "value": value}) + "\n"
-                for step, metric, value in rows.values_list("step", "name", "value")
-            )
-            return FileResponse(
-                io.BytesIO("".join(lines).encode()),
-                as_attachment=True,
+            return downloads.jsonl_response(
+                (
+                    {"step": step, "name": metric, "value": value}
+                    for step, metric, value in rows.values_list("step", "name", "value").iterator(
+                        chunk_size=2000
+                    )
+                ),
                 filename=f"{job.pk}-metrics.jsonl",
-                content_type="application/jsonl",
             )
         path = artifacts.artifact_path(job.pk, name)
         if path is None:
             raise NotFound(f"job has no artifact {name!r}")
         if path.is_dir():
-            return FileResponse(
-                artifacts.zip_directory(path),
-                as_attachment=True,
-                filename=f"{job.pk}-{name}.zip",
-                content_type="application/zip",
-            )
-        return FileResponse(
-            path.open("rb"),
-            as_attachment=True,
+            return downloads.zip_response(request, path, f"{job.pk}-{name}.zip")
+        return downloads.file_response(
+            request,
+            path,
             filename=f"{job.pk}-{name.replace('/', '-')}",
             content_type=FILE_TYPES.get(path.suffix, "application/octet-stream"),
         )
@@ -386,6 +382,14 @@ def dataset_error_response(exc: datasets.DatasetRejected) -> Response:
     return Response(body, status=exc.status_code)
 
 
+class FormatIsAFilterNegotiation(DefaultContentNegotiation):
+    """Content negotiation that leaves ``?format=`` alone: on datasets it is the filter by
+    file format, which DRF's URL format override would otherwise take as a renderer name
+    (``?format=jsonl`` answered 404, no renderer being called that)."""
+
+    settings = SimpleNamespace(URL_FORMAT_OVERRIDE=None)
+
+
 class DatasetViewSet(
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
@@ -396,7 +400,9 @@ class DatasetViewSet(
 
     serializer_class = DatasetSerializer
     filterset_class = DatasetFilter
+    filter_backends = [StrictFilterBackend]
     parser_classes = [MultiPartParser, FormParser]
+    content_negotiation_class = FormatIsAFilterNegotiation
 
     def get_queryset(self) -> QuerySet[Dataset]:
         return Dataset.objects.filter(team_id__in=team_ids_for(self.request)).select_related(

@@ -174,6 +174,21 @@ def test_it_lists_filters_and_deletes(
     assert len(leftovers(data_dir)) == 2
 
 
+def test_it_filters_by_file_format(owner_client, data_dir):
+    # `format` is the filter here, not DRF's renderer override (which answered 404 to it).
+    assert upload(owner_client, jsonl_bytes(MATH_ROWS), name="rows").status_code == 201
+    content = parquet_bytes([{"question": "1 + 1?", "answer": "2"}])
+    assert upload(owner_client, content, "t.parquet", name="table").status_code == 201
+    for fmt, names in [("jsonl", ["rows"]), ("parquet", ["table"])]:
+        response = owner_client.get(DATASETS, {"format": fmt})
+        assert response.status_code == 200, response.content
+        assert [d["name"] for d in response.json()["results"]] == names
+    response = owner_client.get(DATASETS, {"format": "csv"})
+    assert response.status_code == 400 and "format" in response.json()
+    response = owner_client.get(DATASETS, {"fromat": "jsonl"})
+    assert response.status_code == 400 and "unknown query parameter" in response.json()["fromat"][0]
+
+
 def test_it_refuses_to_delete_while_a_job_reads_it(owner_client, data_dir):
     dataset = upload(owner_client, jsonl_bytes(MATH_ROWS)).json()
     job = owner_client.post(

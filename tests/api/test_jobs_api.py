@@ -169,6 +169,42 @@ def test_it_lists_newest_first_with_cursor_pages_and_filters(owner_client, teamm
     assert owner_client.get(JOBS, {"state": "BOGUS"}).status_code == 400
 
 
+def test_it_refuses_query_parameters_a_list_does_not_take(owner_client):
+    # Ignored, a typo listed every job: a script cancelling "the RUNNING ones" cancels all.
+    submit(owner_client)
+    for params, names in [
+        ({"status": "RUNNING"}, {"status"}),
+        ({"ordering": "-name"}, {"ordering"}),
+        ({"page": 2, "offset": 10, "state": "QUEUED"}, {"page", "offset"}),
+    ]:
+        response = owner_client.get(JOBS, params)
+        assert response.status_code == 400, params
+        body = response.json()
+        assert set(body) == names
+        assert all("unknown query parameter" in body[n][0] and "state" in body[n][0] for n in names)
+    first = owner_client.get(JOBS, {"limit": 1, "state": "QUEUED", "format": "json"})
+    assert first.status_code == 200
+
+
+def test_it_finds_one_job_by_its_id_whatever_the_query(owner_client):
+    # The list's filters used to apply to one job too: a mismatch answered 404.
+    job_id = submit(owner_client).json()["id"]
+    assert owner_client.get(f"{JOBS}/{job_id}", {"state": "RUNNING"}).status_code == 200
+    response = owner_client.post(f"{JOBS}/{job_id}/cancel?state=RUNNING")
+    assert response.status_code == 200 and response.json()["state"] == "CANCELLED"
+
+
+def test_it_filters_jobs_by_team(make_team, owner, team, other_team):
+    other = make_team("initech", (owner, "owner"))
+    client = APIClient()
+    client.force_authenticate(owner)
+    mine = submit(client, team="acme").json()["id"]
+    theirs = submit(client, team="initech").json()["id"]
+    assert [j["id"] for j in client.get(JOBS, {"team": "acme"}).json()["results"]] == [mine]
+    assert [j["id"] for j in client.get(JOBS, {"team": other.slug}).json()["results"]] == [theirs]
+    assert client.get(JOBS, {"team": "globex"}).json()["results"] == []
+
+
 def test_it_cancels_and_refuses_to_cancel_twice(owner_client):
     job_id = submit(owner_client).json()["id"]
     response = owner_client.post(f"{JOBS}/{job_id}/cancel")
@@ -218,6 +254,14 @@ def test_it_returns_metrics_as_series_by_name(owner_client):
     assert only.json()["series"] == {"loss": [[2, 0.5], [3, 1.0 / 3]]}
     bad = owner_client.get(f"{JOBS}/{job_id}/metrics", {"since_step": "x"})
     assert bad.status_code == 400 and "since_step" in bad.json()
+
+
+def test_it_refuses_a_metric_name_with_a_nul(owner_client):
+    # PostgreSQL cannot hold a NUL in text: the filter on it was a 500 there.
+    job_id = submit(owner_client).json()["id"]
+    response = owner_client.get(f"{JOBS}/{job_id}/metrics", {"name": ["loss", "a\x00b"]})
+    assert response.status_code == 400
+    assert response.json() == {"name": ["Null characters are not allowed."]}
 
 
 def test_it_answers_404_for_unknown_and_malformed_ids(owner_client):
