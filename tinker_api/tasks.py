@@ -57,6 +57,23 @@ def serve_base_model(
     base: str, *, base_path: str, node: str, gpus: list[int], lease_job_id: str, lease_token: str
 ) -> str:
     """Serve the Tinker requests of one base model on the leased block until idle."""
+    # A Redis blink must not end the worker: its models' state since their last save lives
+    # only in its memory. An outage longer than a lease ends it all the same (the lease,
+    # and with it the block, is gone by then).
+    with conf.redis_patience(conf.lease_seconds()):
+        return _serve(
+            base,
+            base_path=base_path,
+            node=node,
+            gpus=gpus,
+            lease_job_id=lease_job_id,
+            lease_token=lease_token,
+        )
+
+
+def _serve(
+    base: str, *, base_path: str, node: str, gpus: list[int], lease_job_id: str, lease_token: str
+) -> str:
     table = GpuLockTable(conf.get_redis())
     lease = Lease(job_id=lease_job_id, node=node, gpus=tuple(gpus), token=lease_token)
     worker_id = f"{node}:{uuid.uuid4().hex[:12]}"

@@ -8,8 +8,12 @@ twice (a visibility timeout shorter than a job makes the broker redeliver it whi
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -61,8 +65,49 @@ def _client_for(url: str, pid: int) -> Any:
     return redis.Redis.from_url(url, socket_timeout=10, health_check_interval=30)
 
 
+@lru_cache(maxsize=8)
+def _patient_client_for(url: str, pid: int, patience_s: float) -> Any:
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    # Waits of 1, 2, 4 s, then 5 s each, until they add up to the patience.
+    retries = 3 + math.ceil(max(0.0, patience_s - 7.0) / 5.0)
+    retry = Retry(ExponentialBackoff(cap=5.0, base=0.5), retries)
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=10,
+        health_check_interval=30,
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
+
+
+_patience = threading.local()
+
+
+@contextmanager
+def redis_patience(patience_s: float) -> Iterator[None]:
+    """Within this block, this thread's ``get_redis()`` waits out a Redis outage of about
+    ``patience_s`` (each call retried with backoff) instead of raising at once. For a loop
+    that holds state Redis does not (a model worker's live models), where an error raised
+    mid-step would leave a request taken but never answered, and ending the loop would lose
+    that state. Other threads keep failing fast: a heartbeat must go on trying on its own
+    schedule."""
+    before = getattr(_patience, "seconds", 0.0)
+    _patience.seconds = patience_s
+    try:
+        yield
+    finally:
+        _patience.seconds = before
+
+
 def get_redis() -> Any:
-    """The shared ``redis.Redis`` client of this process for ``REDIS_URL``."""
+    """The shared ``redis.Redis`` client of this process for ``REDIS_URL`` (of this thread,
+    inside ``redis_patience``)."""
+    patience_s = getattr(_patience, "seconds", 0.0)
+    if patience_s:
+        return _patient_client_for(redis_url(), os.getpid(), patience_s)
     return _client_for(redis_url(), os.getpid())
 
 

@@ -324,6 +324,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "allauth.account.middleware.AccountMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "opentinker_site.errors.RedisUnavailableMiddleware",
 ]
 
 ROOT_URLCONF = "opentinker_site.urls"

@@ -14,10 +14,12 @@ prompt too long for the context is still a plain 400, streaming or not.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -31,6 +33,10 @@ from tinker_api.services.lookups import Caller
 from tinker_api.serving import params
 from tinker_api.serving.errors import ApiError, model_not_found
 from tinker_api.serving.replies import Answer, Kind, sse
+
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # How long one read of the event stream blocks: also how often a stream sends a keep-alive
@@ -254,13 +260,29 @@ def _relay(
                 tokens = _total_tokens(event.get("usage"))
                 yield sse("[DONE]")
                 return
+    except REDIS_DOWN as exc:
+        # The events come through Redis: without this the answer would stop mid-sentence
+        # with no word, which a client cannot tell from a network fault.
+        log.warning("answer %s cut short: Redis unreachable: %s", rid, exc)
+        yield sse(
+            ApiError(
+                503,
+                f"the service's Redis became unreachable mid-answer ({type(exc).__name__}); "
+                "the answer is cut short: retry the request",
+            ).body()
+        )
     finally:
-        # Closed before the end: the client went away (the server closes the iterator when a
-        # write fails), so the worker must stop generating for it.
-        if not finished:
-            events.cancel(rid)
-        events.discard(rid)
-        release(tokens)
+        try:
+            # Closed before the end: the client went away (the server closes the iterator
+            # when a write fails), so the worker must stop generating for it.
+            if not finished:
+                events.cancel(rid)
+            events.discard(rid)
+            release(tokens)
+        except REDIS_DOWN as exc:
+            # Nothing lingers: the events and the team's slot expire on their own, and the
+            # worker ends an answer nobody reads at its max_tokens.
+            log.warning("answer %s: could not release it, Redis unreachable: %s", rid, exc)
 
 
 def _total_tokens(usage: Any) -> int:
