@@ -11,8 +11,10 @@ Sampling is `generate`'s: the same token choice (temperature, top-p, top-k, gree
 frequency and presence penalties, logit bias),
 logprobs of the untempered distribution, stop ids, stop strings and EOS, and a seeded row
 draws its own random stream whatever else is in the batch, joined early or late. Joining
-mid-decode needs a decoder that can merge caches (`FusedDecoder.join`, the Qwen2 and Llama
-path); with any other model `can_join` is False and rows may only be added to an empty batch.
+mid-decode needs a decoder that can merge caches: `FusedDecoder.join` (the Qwen2 and Llama
+path) and `HFDecoder.join` (any other model, vision-language ones included, whose cache keeps
+every position in every layer). Where the cache cannot be merged (a sliding window, a recurrent
+state) `can_join` is False and rows may only be added to an empty batch.
 """
 
 from __future__ import annotations
@@ -92,7 +94,6 @@ class ContinuousBatch:
         self.model = model
         self.tokenizer = tokenizer
         self.decoder = decoder_for(model, host)
-        self.can_join = hasattr(self.decoder, "join")
         self.device = next(model.parameters()).device
         self.vocab = int(model.config.get_text_config().vocab_size)
         self.positions = int(
@@ -106,6 +107,7 @@ class ContinuousBatch:
         self._reset()
 
     def _reset(self) -> None:
+        self.can_join = hasattr(self.decoder, "join")
         self.rows: list[_Live] = []
         self.state: Any = None
         self.logits_B_V: torch.Tensor | None = None
@@ -185,6 +187,8 @@ class ContinuousBatch:
         next_pos = next_pos.index_select(0, index)
         if self.state is None:
             self.state, self.logits_B_V = state, logits
+            joinable = getattr(self.decoder, "joinable", None)
+            self.can_join = self.can_join and (joinable is None or joinable(state))
         else:
             self.decoder.join(self.state, state)  # type: ignore[attr-defined]
             assert self.logits_B_V is not None

@@ -17,7 +17,10 @@ three calls, `prefill`, `step` and `select`:
   stacked by rows, and so do the MLP's gate and up (`training.onednn.linear_rows`, LoRA
   deltas added to each part after): two passes over the weights instead of five, which is
   what a decode step is bound by.
-- `HFDecoder` calls the model's forward with a `DynamicCache`: any other causal LM.
+- `HFDecoder` calls the model's forward with a `DynamicCache`: any other causal LM. Rows
+  of another prefill join its cache mid-decode (continuous batching) where every layer keeps
+  the whole sequence: the shorter cache is padded on the left under the mask, which changes
+  no row's attention, since every position is given explicitly.
 
 Both return the same logits up to float32 summation order (tests/training/test_decoder.py:
 within 3e-5 + 1e-5 relative on logits of size 1-3).
@@ -34,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from training import onednn, vision
-from training.kv_cache import KVCache
+from training.kv_cache import TRIM_MIN_COLUMNS, KVCache
 from training.lora import MultiLoRALinear
 
 if TYPE_CHECKING:
@@ -165,12 +169,71 @@ class HFDecoder:
     def select(state: _HFState, index_B: torch.Tensor) -> None:
         state.cache.batch_select_indices(index_B)
         state.mask_B_L = state.mask_B_L.index_select(0, index_B)
+        state.trim()
+
+    @staticmethod
+    def joinable(state: _HFState) -> bool:
+        """Whether rows may join ``state``: every layer keeps the whole sequence (a sliding
+        window or a recurrent state could not be padded to another length)."""
+        layers = getattr(state.cache, "layers", None)
+        return bool(layers) and all(
+            type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
+            for layer in layers
+        )
+
+    @staticmethod
+    def join(state: _HFState, other: _HFState) -> None:
+        """Append the rows of ``other`` (a prefill of new prompts) to those of ``state``, which
+        may be mid-decode; both caches are left-padded to the longer one."""
+        width = max(state.mask_B_L.shape[1], other.mask_B_L.shape[1])
+        for mine, theirs in zip(state.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat(
+                [_pad_left(mine.keys, width, 2), _pad_left(theirs.keys, width, 2)]
+            )
+            mine.values = torch.cat(
+                [_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)]
+            )
+        state.mask_B_L = torch.cat(
+            [_pad_left(state.mask_B_L, width, 1), _pad_left(other.mask_B_L, width, 1)]
+        )
+        state.trim()
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class _HFState:
     def __init__(self, cache: Any, mask_B_L: torch.Tensor) -> None:
         self.cache = cache
         self.mask_B_L = mask_B_L
+
+    @property
+    def length(self) -> int:
+        """Cached positions (columns), padding included."""
+        return int(self.mask_B_L.shape[1])
+
+    def trim(self) -> None:
+        """Drop the leading columns no row attends to (rows that needed them left, or joined
+        shorter), as `KVCache` does: a batch that never empties would otherwise attend over
+        ever more padding."""
+        live = self.mask_B_L.any(dim=0).nonzero()
+        start = int(live[0]) if len(live) else 0
+        if start < TRIM_MIN_COLUMNS or 4 * start < self.mask_B_L.shape[1]:
+            return
+        layers = getattr(self.cache, "layers", None)
+        if not layers or not all(type(layer) is DynamicLayer for layer in layers):
+            return
+        for layer in layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.keys = layer.keys[:, :, start:]
+                layer.values = layer.values[:, :, start:]
+        self.mask_B_L = self.mask_B_L[:, start:]
 
 
 class VLDecoder(HFDecoder):
@@ -214,6 +277,11 @@ class VLDecoder(HFDecoder):
     def select(state: _VLState, index_B: torch.Tensor) -> None:  # type: ignore[override]
         HFDecoder.select(state, index_B)
         state.deltas_B = state.deltas_B.index_select(0, index_B)
+
+    @staticmethod
+    def join(state: _VLState, other: _VLState) -> None:  # type: ignore[override]
+        HFDecoder.join(state, other)
+        state.deltas_B = torch.cat([state.deltas_B, other.deltas_B])
 
 
 class _VLState(_HFState):

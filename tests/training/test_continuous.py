@@ -1,4 +1,8 @@
-"""Continuous batching: rows that join a running batch, or leave it, change nobody's tokens."""
+"""Continuous batching: rows that join a running batch, or leave it, change nobody's tokens.
+
+Every test runs on both decoders: the fused one (Qwen2 and Llama) and the model's own forward
+with a Hugging Face cache (any other model), whose tokens the engine's sampler matches.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,22 @@ import pytest
 import torch
 
 from training.continuous import ContinuousBatch, Row
+from training.decoder import HFDecoder
 from training.engine import Engine
 from training.kv_cache import TRIM_MIN_COLUMNS
 from training.sampler import generate
 from training.types import SamplingParams
 
 PROMPTS = [[5, 17, 40, 41, 99], [8, 120], [33, 34, 35, 36, 37, 38, 39, 60, 61], [250]]
+
+
+@pytest.fixture(autouse=True, params=["fused", "hf"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "hf":
+        monkeypatch.setattr(
+            "training.continuous.decoder_for", lambda model, host=None: HFDecoder(model, host)
+        )
+    return str(request.param)
 
 
 def _run(batch: ContinuousBatch, joins: dict[int, list[Row]]) -> dict[int, list[int]]:
@@ -268,3 +282,24 @@ def test_rows_that_decode_past_the_caches_first_room_get_what_they_get_alone(
     got = _run(batch, {0: rows[:2], 5: [rows[2]], 12: [rows[3]]})
     for ident, row in enumerate(rows):
         assert got[ident] == _alone(tiny_model, tiny_tokenizer, row), ident
+
+
+def test_a_cache_that_keeps_a_window_takes_no_rows_mid_decode(tiny_tokenizer):
+    from transformers import Qwen2Config
+
+    from tests.training.conftest import build_tiny_model
+
+    model = build_tiny_model(len(tiny_tokenizer))
+    config = {**model.config.to_dict(), "use_sliding_window": True, "sliding_window": 4}
+    config.pop("layer_types")  # derived again from the window settings
+    model.config = Qwen2Config(**{**config, "max_window_layers": 0})
+    batch = ContinuousBatch(model, tiny_tokenizer)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    batch.add([Row(PROMPTS[0], params, stop_on_eos=False)])
+    # Its layers drop what falls out of the window: no padding could line a new row up.
+    assert not batch.can_join
+    with pytest.raises(RuntimeError, match="cannot join"):
+        batch.add([Row(PROMPTS[1], params)])
+    while len(batch):
+        batch.step()
+    assert batch.can_join  # an empty batch takes rows again

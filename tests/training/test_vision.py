@@ -287,14 +287,15 @@ def test_it_never_samples_an_image_placeholder(
     assert pad in [token for token, _ in free.topk_logprobs[0]]
 
 
-def test_a_continuous_batch_decodes_rows_with_images_as_generate_does(
+def test_rows_with_images_joining_a_continuous_batch_get_what_they_get_alone(
     arch: str, tokenizer: Any, images: list[vision.ImageInput], tiny_model: Any
 ) -> None:
     from training.continuous import ContinuousBatch, Row
 
     engine = Engine(vl_models.build_vl_model(arch, tokenizer), tokenizer=tokenizer)
     policy = _perturbed_policy(engine, 3)
-    # Rows of the base and an adapter, with images, without, and two samples of one prompt.
+    # Rows of the base and an adapter, with images and without, two samples of one prompt,
+    # joining the running batch mid-decode with prompts longer and shorter than its cache.
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=11)
     cases = [
         (_sequence(tokenizer, images[:2], [7]), tuple(images[:2]), policy.id, 0),
@@ -307,22 +308,28 @@ def test_a_continuous_batch_decodes_rows_with_images_as_generate_does(
         for p, imgs, k, j in cases
     ]
     batch = ContinuousBatch(engine.model, tokenizer, engine.host)
-    got: dict[int, list[int]] = {ident: [] for ident in batch.add(rows)}
-    while len(batch):
+    got: dict[int, list[int]] = {}
+    for step in range(12):
+        joining = {0: rows[:2], 2: rows[2:3], 3: rows[3:]}.get(step, [])
+        if joining:
+            assert batch.can_join or not len(batch)
+        got.update({ident: [] for ident in batch.add(joining)})
         for token in batch.step():
             got[token.row].append(token.token)
-    expected = generate(
-        engine.model,
-        tokenizer,
-        [p for p, _, _, _ in cases],
-        params,
-        adapters=[k for _, _, k, _ in cases],
-        host=engine.host,
-        sample_indices=[j for _, _, _, j in cases],
-        stop_on_eos=False,
-        images=[imgs for _, imgs, _, _ in cases],
-    )
-    assert [got[i] for i in sorted(got)] == [s.tokens for s in expected]
+    assert not len(batch)
+    for ident, (prompt, imgs, key, j) in enumerate(cases):
+        (alone,) = generate(
+            engine.model,
+            tokenizer,
+            [prompt],
+            params,
+            adapters=[key],
+            host=engine.host,
+            sample_indices=[j],
+            stop_on_eos=False,
+            images=[imgs],
+        )
+        assert got[ident] == alone.tokens, ident
     assert got[0] != got[1]  # two samples of one prompt draw their own streams
     with pytest.raises(ValueError, match="no vision tower"):
         ContinuousBatch(tiny_model, None).check(Row([5, 6], params, images=(images[0],)))
