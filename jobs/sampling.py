@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .models import Job
+from .models import BaseModel, Job
 
 __all__ = [
     "MAX_SAMPLES",
+    "MAX_SAMPLE_IMAGE_BYTES",
     "MAX_SAMPLE_TOKENS",
     "BadSampleRequest",
     "NoAdapter",
@@ -29,6 +30,7 @@ __all__ = [
 # Quick looks at a policy, not a serving path (that is /v1/completions): small on purpose.
 MAX_SAMPLE_TOKENS = 256
 MAX_SAMPLES = 8
+MAX_SAMPLE_IMAGE_BYTES = 8 * 1024 * 1024
 
 
 class NoAdapter(Exception):
@@ -68,6 +70,7 @@ class Sampler(Protocol):
         temperature: float,
         n: int,
         seed: int | None,
+        image: bytes | None = None,
     ) -> list[dict[str, Any]]: ...
 
 
@@ -88,10 +91,21 @@ def sample_from_job(
     temperature: float,
     n: int,
     seed: int | None,
+    image: bytes | None = None,
 ) -> list[dict[str, Any]]:
     """``n`` continuations of the prompt (raw text) or of the chat (rendered with the base
     model's chat template, ending at the end of the assistant turn), each
-    ``{"text", "tokens", "stop_reason"}``."""
+    ``{"text", "tokens", "stop_reason"}``. ``image`` (PNG or JPEG bytes) goes with the chat's
+    last message, after its text, on a vision-language base model."""
+    if image is not None:
+        if messages is None:
+            raise BadSampleRequest("image", "an image goes with a chat (messages), not a prompt")
+        if len(image) > MAX_SAMPLE_IMAGE_BYTES:
+            raise BadSampleRequest("image", f"the image is over {MAX_SAMPLE_IMAGE_BYTES} bytes")
+        name = str((job.spec or {}).get("base_model") or "")
+        base = BaseModel.objects.filter(name=name).first()
+        if base is None or not base.takes_images():
+            raise BadSampleRequest("image", f"base model {name} takes no images")
     if _sampler is None:
         raise SamplerUnavailable("this process serves no model workers (tinker_api is absent)")
     return _sampler(
@@ -102,4 +116,5 @@ def sample_from_job(
         temperature=temperature,
         n=n,
         seed=seed,
+        image=image,
     )

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from accounts.validators import RefuseUnknownFields, validate_display_name
 
 from .models import BaseModel, Dataset, DatasetFormat, Job, JobEvent, JobKind
+from .sampling import MAX_SAMPLE_IMAGE_BYTES
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -201,12 +205,39 @@ class SampleRequestSerializer(RefuseUnknownFields, serializers.Serializer):
     temperature = serializers.FloatField(min_value=0.0, max_value=2.0, default=1.0)
     n = serializers.IntegerField(min_value=1, max_value=8, default=1)
     seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    image = serializers.CharField(
+        required=False,
+        max_length=(MAX_SAMPLE_IMAGE_BYTES + 2) // 3 * 4 + 64,
+        help_text=(
+            "A picture (PNG or JPEG, base64 or a data:image/...;base64 URI) shown after the "
+            "last message's text; vision-language base models only."
+        ),
+    )
+
+    def validate_image(self, value: str) -> bytes:
+        head, comma, payload = value.partition(",")
+        if comma:
+            if not (head.startswith("data:image/") and head.endswith(";base64")):
+                raise serializers.ValidationError("a data URI must be data:image/...;base64,...")
+        else:
+            payload = value
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise serializers.ValidationError(f"the base64 is invalid: {exc}") from None
+        if not data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")):
+            raise serializers.ValidationError("must be a PNG or JPEG picture.")
+        return data
 
     def validate(self, attrs: dict) -> dict:  # type: ignore[type-arg]
         if ("prompt" in attrs) == ("messages" in attrs):
             raise serializers.ValidationError("give exactly one of `prompt` or `messages`.")
         if "messages" in attrs and not attrs["messages"]:
             raise serializers.ValidationError({"messages": ["must not be empty."]})
+        if "image" in attrs and "messages" not in attrs:
+            raise serializers.ValidationError(
+                {"image": ["an image goes with a chat (`messages`), not a raw `prompt`."]}
+            )
         return attrs
 
 

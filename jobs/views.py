@@ -256,6 +256,7 @@ class JobViewSet(
                 temperature=data["temperature"],
                 n=data["n"],
                 seed=data.get("seed"),
+                image=data.get("image"),
             )
         except sampling.NoAdapter as exc:
             raise Conflict(str(exc)) from exc

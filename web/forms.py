@@ -14,6 +14,7 @@ from accounts.validators import validate_display_name
 from environments.datasets import builtin_names
 from environments.registry import env_names, get_env
 from jobs.models import BaseModel, Dataset, JobState
+from jobs.sampling import MAX_SAMPLE_IMAGE_BYTES
 
 from .spec_form import METHOD_HELP, SpecFields
 
@@ -268,9 +269,42 @@ class SampleForm(forms.Form):
         max_value=2**31 - 1,
         help_text="Optional: the same seed gives the same samples.",
     )
+    image = forms.FileField(
+        required=False,
+        label="Picture",
+        help_text="Optional, PNG or JPEG: shown after your message (chat only).",
+        widget=forms.ClearableFileInput(attrs={"accept": "image/png,image/jpeg"}),
+    )
 
     def clean_prompt(self) -> str:
         prompt: str = self.cleaned_data["prompt"]
         if not prompt.strip():
             raise forms.ValidationError("Enter some text to continue.")
         return prompt
+
+    def clean_image(self) -> bytes | None:
+        upload = self.cleaned_data.get("image")
+        if not upload:
+            return None
+        if upload.size > MAX_SAMPLE_IMAGE_BYTES:
+            raise forms.ValidationError(f"The picture is over {MAX_SAMPLE_IMAGE_BYTES} bytes.")
+        data: bytes = upload.read()
+        if not data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")):
+            raise forms.ValidationError("The picture must be a PNG or JPEG file.")
+        return data
+
+    def __init__(self, *args: Any, images: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Whether the page offers the picture field (a vision-language base model): errors
+        # about a picture sent anyway go above the form, where they are seen.
+        self.images = images
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if not cleaned.get("image"):
+            return cleaned
+        if not self.images:
+            self.add_error(None, "This job's base model takes no pictures.")
+        elif cleaned.get("mode") == self.RAW:
+            self.add_error("image", "A picture goes with a chat prompt, not raw text.")
+        return cleaned

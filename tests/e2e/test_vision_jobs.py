@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,13 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 from django.urls import reverse
+from django.utils.html import escape
 from rest_framework.test import APIClient
 
 from environments import images
 from jobs.models import JobState
 from tests.e2e.test_managed_training import finished, series, steps_of, submit
+from tests.tinker_api.conftest import clean_tinker_keys, sdk_worker_env  # noqa: F401
 from training.model import TINY_VL_MODEL
 
 BUILTIN_GEOMETRY = Path(__file__).resolve().parents[2] / "environments/data/geometry_train.jsonl"
@@ -50,7 +53,11 @@ def test_it_trains_a_vision_policy_with_rl_and_shows_its_transcripts_with_images
     vl_trainer: Any,
     owner_client: APIClient,
     owner: Any,
+    owner_key: tuple[Any, str],
+    clean_tinker_keys: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    sdk_worker_env(monkeypatch)
     worker = vl_trainer()
     spec = geometry_spec(
         "rl",
@@ -94,6 +101,66 @@ def test_it_trains_a_vision_policy_with_rl_and_shows_its_transcripts_with_images
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     adapted = [n for n, p in model.named_parameters() if "lora_B" in n]
     assert adapted and not [n for n in adapted if ".visual." in n]
+
+    # The policy looked at with a picture: the sample endpoint, the page's sample box (the
+    # picture uploaded) and /v1 (an image_url part after the text) answer alike, greedily.
+    png, question = shown[0], images.text_of(first[-1])
+    sample = owner_client.post(
+        f"/api/v1/jobs/{job_id}/sample",
+        {
+            "messages": [{"role": "user", "content": question}],
+            "image": base64.b64encode(png).decode(),
+            "max_tokens": 8,
+            "temperature": 0.0,
+        },
+        format="json",
+    )
+    assert sample.status_code == 200, sample.content
+    (answer,) = [s["text"] for s in sample.json()["samples"]]
+    boxed = browser.post(
+        reverse("web:job_sample", args=[job_id]),
+        {
+            "prompt": question,
+            "mode": "chat",
+            "max_tokens": "8",
+            "temperature": "0",
+            "n": "1",
+            "image": SimpleUploadedFile("diagram.png", png, content_type="image/png"),
+        },
+        HTTP_HX_REQUEST="true",
+    )
+    assert boxed.status_code == 200
+    assert re.findall(
+        r'<pre class="mono sample-text">(.*?)</pre>', boxed.content.decode(), re.S
+    ) == [str(escape(answer))]
+    chat = Client(HTTP_AUTHORIZATION=f"Bearer {owner_key[1]}").post(
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": f"job:{job_id}",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": question},
+                            {"type": "image_url", "image_url": {"url": images.data_uri(png)}},
+                        ],
+                    }
+                ],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        ),
+        content_type="application/json",
+    )
+    assert chat.status_code == 200, chat.content
+    assert chat.json()["choices"][0]["message"]["content"] == answer
+    raw = owner_client.post(
+        f"/api/v1/jobs/{job_id}/sample",
+        {"prompt": question, "image": base64.b64encode(png).decode()},
+        format="json",
+    )
+    assert raw.status_code == 400 and "image" in raw.json()
 
 
 def test_it_trains_a_vision_policy_with_sft_on_a_geo3k_zip_upload(

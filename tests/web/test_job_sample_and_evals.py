@@ -429,3 +429,47 @@ def test_it_answers_503_when_no_model_worker_answers(
     assert len(rids) == 2 and events.cancelled(rids) == set(rids)
     assert events.take_slot(team.pk, "req-probe", 1, 5)
     events.release_slot(team.pk, "req-probe")
+
+
+def test_it_refuses_a_picture_the_base_model_cannot_see_or_that_is_no_picture(
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    owner_client: APIClient,
+    login: Callable[[Any], Client],
+) -> None:
+    import base64
+
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    job = submit(team, owner, name="text-only")
+    _finish_with_adapter(job)
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 32
+    chat = [{"role": "user", "content": "what is this?"}]
+    url = f"/api/v1/jobs/{job.pk}/sample"
+    for body, field, words in (
+        ({"messages": chat, "image": base64.b64encode(png).decode()}, "image", "takes no images"),
+        ({"prompt": "x", "image": base64.b64encode(png).decode()}, "image", "goes with a chat"),
+        ({"messages": chat, "image": base64.b64encode(b"GIF89a").decode()}, "image", "PNG or JPEG"),
+        ({"messages": chat, "image": "data:text/plain;base64,aGk="}, "image", "data:image/"),
+        ({"messages": chat, "image": "@@"}, "image", "base64"),
+    ):
+        api = owner_client.post(url, body, format="json")
+        assert api.status_code == 400, api.content
+        assert words in json.dumps(api.json()[field]), api.json()
+    page = login(owner)
+    assert 'name="image"' not in page.get(reverse("web:job_detail", args=[job.pk])).content.decode()
+    box = page.post(
+        reverse("web:job_sample", args=[job.pk]),
+        {
+            "prompt": "hi",
+            "mode": "raw",
+            "max_tokens": "4",
+            "temperature": "1",
+            "n": "1",
+            "image": SimpleUploadedFile("a.png", png, content_type="image/png"),
+        },
+    )
+    assert box.status_code == 400
+    assert "takes no pictures" in box.content.decode()

@@ -12,6 +12,7 @@ limit like any other. The web process loads no model and no tokenizer.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from jobs import sampling
@@ -36,6 +37,7 @@ def _op(
     temperature: float,
     n: int,
     seed: int | None,
+    image: bytes | None = None,
 ) -> dict[str, Any]:
     op: dict[str, Any] = {
         "n": n,
@@ -54,6 +56,12 @@ def _op(
     }
     if messages is not None:
         op.update(mode="chat", messages=messages, tools=None)
+        if image is not None:
+            # After the last message's text, as /v1 lays out an image part.
+            *before, last = messages
+            parts = [{"type": "text", "text": last["content"]}, {"type": "image"}]
+            op["messages"] = [*before, {**last, "content": parts}]
+            op["images"] = [{"data": base64.b64encode(image).decode(), "where": "image"}]
     else:
         op.update(mode="completion", prompts=[prompt])
     return op
@@ -68,6 +76,8 @@ def _refusal(event: dict[str, Any], field: str) -> Exception:
         # The worker could not load the job's adapter: the job's weights, not the request,
         # are at fault.
         return sampling.NoAdapter(message)
+    if event.get("param") == "image":
+        return sampling.BadSampleRequest("image", message)
     # "max_tokens" too: the prompt leaves too little of the context, which this endpoint
     # has always reported on the prompt.
     return sampling.BadSampleRequest(field, message)
@@ -82,6 +92,7 @@ def sample_job(
     temperature: float,
     n: int,
     seed: int | None,
+    image: bytes | None = None,
 ) -> list[dict[str, Any]]:
     """``n`` generations from the job's final adapter, in ``jobs.sampling``'s shape."""
     caller = Caller(team_id=job.team_id, user=None, key=None)
@@ -89,7 +100,15 @@ def sample_job(
         served = serving.resolve(caller, f"{serving.JOB_PREFIX}{job.pk}")
     except serving.NotServable as exc:
         raise sampling.NoAdapter(str(exc)) from exc
-    op = _op(prompt, messages, max_tokens=max_tokens, temperature=temperature, n=n, seed=seed)
+    op = _op(
+        prompt,
+        messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        n=n,
+        seed=seed,
+        image=image,
+    )
     try:
         rid = serving.submit(caller, served, op, hold_seconds=HOLD_SECONDS)
     except serving.Busy as exc:

@@ -14,7 +14,7 @@ from django.utils.cache import patch_vary_headers
 from django.views.decorators.http import require_POST
 
 from jobs import artifacts, sampling
-from jobs.models import FINAL_STATES, Job, JobEvent, JobKind, JobMetric, JobState
+from jobs.models import FINAL_STATES, BaseModel, Job, JobEvent, JobKind, JobMetric, JobState
 from web.forms import SampleForm
 
 from .common import team_job
@@ -110,12 +110,20 @@ def _eval_results(job: Job, found: list[dict[str, Any]]) -> dict[str, Any]:
 def _sample_context(job: Job, form: SampleForm | None = None) -> dict[str, Any]:
     """What the sample box needs; it is offered once a finished job has exported an adapter."""
     has_adapter = job.state in FINAL_STATES and artifacts.adapter_dir(job.pk) is not None
+    images = _takes_images(job)
     return {
         "can_sample": has_adapter,
-        "sample_form": form or SampleForm(),
+        "sample_form": form or SampleForm(images=images),
         "samples": None,
         "sample_error": "",
+        # The picture field is offered where the base model has a vision tower.
+        "sample_images": images,
     }
+
+
+def _takes_images(job: Job) -> bool:
+    base = BaseModel.objects.filter(name=str((job.spec or {}).get("base_model") or "")).first()
+    return bool(base is not None and base.takes_images())
 
 
 def _use_model(request: HttpRequest, job: Job, can_sample: bool) -> dict[str, str] | None:
@@ -182,7 +190,7 @@ def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
     the box.
     """
     job = team_job(request, job_id)
-    form = SampleForm(request.POST)
+    form = SampleForm(request.POST, request.FILES, images=_takes_images(job))
     box = _sample_context(job, form)
     status = 200
     if not box["can_sample"]:
@@ -205,6 +213,7 @@ def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
                 temperature=data["temperature"],
                 n=data["n"],
                 seed=data.get("seed"),
+                image=data.get("image"),
             )
         except sampling.NoAdapter as exc:
             box["sample_error"] = f"Cannot sample: {exc}."
@@ -212,6 +221,8 @@ def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
         except sampling.BadSampleRequest as exc:
             # The service names the chat "messages": in this form it is the prompt box.
             field = "prompt" if exc.field in ("prompt", "messages") else None
+            if exc.field == "image" and box["sample_images"]:
+                field = "image"
             form.add_error(field, exc.reason)
             status = 400
         except sampling.SamplerBusy as exc:
