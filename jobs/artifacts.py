@@ -16,12 +16,14 @@ They are listed with ``kind: "verl"`` and download as one zip of that directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from django.conf import settings
 
@@ -196,16 +198,58 @@ def artifact_path(job_id: Any, name: str) -> Path | None:
     return workdir(job_id) / name
 
 
-def zip_directory(path: Path, *, compress: bool = True) -> IO[bytes]:
-    """A zip of `path`'s files (names relative to it), rewound; spills to disk when large.
+ZIP_CACHE = ".zips"
+
+
+def _zip_name(job_id: Any, path: Path, files: list[Path], compress: bool) -> tuple[Path, str]:
+    digest = hashlib.sha256(repr(compress).encode())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.relative_to(path)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    stem = str(path.relative_to(workdir(job_id))).replace("/", "--")
+    return workdir(job_id) / ZIP_CACHE / f"{stem}.{digest.hexdigest()[:20]}.zip", stem
+
+
+def zipped_if_made(job_id: Any, path: Path, *, compress: bool = True) -> Path | None:
+    """The zip ``zipped`` made of ``path``'s files as they are now, if it was made."""
+    target, _stem = _zip_name(job_id, path, _files(path), compress)
+    return target if target.is_file() else None
+
+
+def zipped(job_id: Any, path: Path, *, compress: bool = True) -> Path:
+    """A zip of ``path``'s files (names relative to it) under the job's directory, made once
+    for the files as they are: a download of it can then be resumed (``Range``) and asked its
+    size (``HEAD``), which a zip made anew for each request cannot. The name carries a digest
+    of every file's name, size and modification time, so a directory written again (a
+    resumed run's checkpoint) gets a new zip and the old one is removed. Entries take their
+    files' modification times, so the bytes are the same whoever makes them.
 
     ``compress=False`` stores the files as they are: tensor shards hardly compress, and
     deflating gigabytes of them would hold the request for minutes.
     """
-    spool = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)  # noqa: SIM115
+    files = _files(path)
+    target, stem = _zip_name(job_id, path, files, compress)
+    if target.is_file():
+        return target
+    cache = target.parent
+    cache.mkdir(parents=True, exist_ok=True)
     method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with zipfile.ZipFile(spool, "w", compression=method, allowZip64=True) as zf:
-        for file in _files(path):
-            zf.write(file, arcname=str(file.relative_to(path)))
-    spool.seek(0)
-    return spool  # type: ignore[return-value]
+    # Two requests may make it at once: each writes its own file and renames it into place.
+    with tempfile.NamedTemporaryFile(dir=cache, suffix=".part", delete=False) as tmp:
+        try:
+            # A file dated before 1980 (an epoch mtime, as reproducible builds leave) would
+            # otherwise fail the whole download: its entry is dated 1980-01-01 instead.
+            with zipfile.ZipFile(
+                tmp, "w", compression=method, allowZip64=True, strict_timestamps=False
+            ) as zf:
+                for file in files:
+                    zf.write(file, arcname=str(file.relative_to(path)))
+            tmp.flush()
+            os.replace(tmp.name, target)
+        except BaseException:
+            Path(tmp.name).unlink(missing_ok=True)
+            raise
+    for old in cache.glob(f"{stem}.*.zip"):
+        if old != target:
+            old.unlink(missing_ok=True)
+    return target

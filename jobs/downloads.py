@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from django.http import FileResponse, HttpRequest, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.utils.http import content_disposition_header, http_date
 from rest_framework.request import Request
@@ -130,19 +130,22 @@ def jsonl_response(rows: Iterable[dict[str, object]], *, filename: str) -> Strea
 
 
 def zip_response(
-    request: HttpRequest | Request, path: Path, filename: str, *, compress: bool = True
+    request: HttpRequest | Request,
+    job_id: object,
+    path: Path,
+    filename: str,
+    *,
+    compress: bool = True,
 ) -> HttpResponseBase:
-    """A directory as a zip; a HEAD answers with the headers alone instead of zipping it."""
-    if request.method == "HEAD":
+    """A directory as a zip, made once and then served as a file (``Range``, ``HEAD``,
+    ``ETag``). A HEAD before any download answers with the headers alone rather than make
+    the zip: its size is not known until it is made."""
+    made = artifacts.zipped_if_made(job_id, path, compress=compress)
+    if request.method == "HEAD" and made is None:
         response = StreamingHttpResponse([], content_type="application/zip")
         response["Content-Disposition"] = content_disposition_header(True, filename)
-    else:
-        response = FileResponse(
-            artifacts.zip_directory(path, compress=compress),
-            as_attachment=True,
-            filename=filename,
-            content_type="application/zip",
-        )
-    # The zip is made anew for each request: there are no stable bytes to take a range of.
-    response["Accept-Ranges"] = "none"
-    return response
+        response["Accept-Ranges"] = "bytes"
+        return response
+    if made is None:
+        made = artifacts.zipped(job_id, path, compress=compress)
+    return file_response(request, made, filename=filename, content_type="application/zip")

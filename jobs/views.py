@@ -206,7 +206,9 @@ class JobViewSet(
         if path is None:
             raise NotFound(f"job has no checkpoint {name!r}")
         if path.is_dir():
-            return downloads.zip_response(request, path, f"{job.pk}-{name}.zip", compress=False)
+            return downloads.zip_response(
+                request, job.pk, path, f"{job.pk}-{name}.zip", compress=False
+            )
         return downloads.file_response(
             request,
             path,
@@ -315,7 +317,7 @@ class JobViewSet(
         if path is None:
             raise NotFound(f"job has no artifact {name!r}")
         if path.is_dir():
-            return downloads.zip_response(request, path, f"{job.pk}-{name}.zip")
+            return downloads.zip_response(request, job.pk, path, f"{job.pk}-{name}.zip")
         return downloads.file_response(
             request,
             path,

@@ -106,16 +106,39 @@ def test_it_answers_head_with_the_size_and_no_body(owner_client, job_files):
     assert summary["Accept-Ranges"] == "bytes"
 
 
-def test_it_takes_ranges_of_artifact_files_but_not_of_zipped_directories(owner_client, job_files):
+def test_it_takes_ranges_of_artifact_files_and_of_zipped_directories(owner_client, job_files):
     job_id, _ = job_files
     summary = owner_client.get(f"{JOBS}/{job_id}/artifacts/summary.json", HTTP_RANGE="bytes=0-0")
     assert summary.status_code == 206 and body(summary) == b"{"
-    adapter = owner_client.get(f"{JOBS}/{job_id}/artifacts/adapter", HTTP_RANGE="bytes=0-0")
-    assert adapter.status_code == 200 and adapter["Accept-Ranges"] == "none"
-    with zipfile.ZipFile(BytesIO(body(adapter))) as zf:
-        assert zf.namelist() == ["adapter_config.json"]
-    head = owner_client.head(f"{JOBS}/{job_id}/artifacts/adapter")
+    url = f"{JOBS}/{job_id}/artifacts/adapter"
+    adapter_dir = artifacts.workdir(job_id) / "adapter"
+    (adapter_dir / "adapter_model.safetensors").write_bytes(os.urandom(2 * (1 << 20) + 7))
+    # Before any download a HEAD does not make the zip: no size yet, no body.
+    head = owner_client.head(url)
     assert head.status_code == 200 and head["Content-Type"] == "application/zip"
+    assert "Content-Length" not in head and body(head) == b""
+    whole = owner_client.get(url)
+    zipped = body(whole)
+    assert whole.status_code == 200 and whole["Accept-Ranges"] == "bytes"
+    with zipfile.ZipFile(BytesIO(zipped)) as zf:
+        assert zf.namelist() == ["adapter_config.json", "adapter_model.safetensors"]
+    # A download broken after 1 MiB continues from there; the bytes are the same zip's.
+    rest = owner_client.get(url, HTTP_RANGE=f"bytes={1 << 20}-", HTTP_IF_RANGE=whole["ETag"])
+    assert rest.status_code == 206 and body(rest) == zipped[1 << 20 :]
+    assert int(owner_client.head(url)["Content-Length"]) == len(zipped)
+    # Files written again (a resumed run exporting anew; dated 1970 here, before zip's epoch)
+    # make another zip; a stale If-Range gets the whole new one, and the old zip is gone.
+    (adapter_dir / "adapter_config.json").write_text('{"r": 8}')
+    os.utime(adapter_dir / "adapter_config.json", ns=(1, 1))
+    again = owner_client.get(url, HTTP_RANGE="bytes=5-", HTTP_IF_RANGE=whole["ETag"])
+    assert again.status_code == 200 and again["ETag"] != whole["ETag"]
+    with zipfile.ZipFile(BytesIO(body(again))) as zf:
+        assert zf.read("adapter_config.json") == b'{"r": 8}'
+    cached = list((artifacts.workdir(job_id) / artifacts.ZIP_CACHE).glob("adapter.*.zip"))
+    assert len(cached) == 1
+    # The zips made for downloads are not artifacts themselves.
+    names = {a["name"] for a in owner_client.get(f"{JOBS}/{job_id}/artifacts").json()}
+    assert not any(artifacts.ZIP_CACHE in n for n in names)
 
 
 def test_it_does_not_serve_ranges_across_teams(outsider_client, job_files):
