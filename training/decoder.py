@@ -175,7 +175,7 @@ class HFDecoder:
     def joinable(state: _HFState) -> bool:
         """Whether rows may join ``state``: every layer keeps the whole sequence (a sliding
         window or a recurrent state could not be padded to another length)."""
-        layers = getattr(state.cache, "layers", None)
+        layers: list[Any] = getattr(state.cache, "layers", None) or []
         return bool(layers) and all(
             type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
             for layer in layers
