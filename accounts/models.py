@@ -100,7 +100,9 @@ class QuotaManager(models.Manager["Quota"]):
 
 
 class Quota(models.Model):
-    """Limits set by administrators; checked at submission under ``select_for_update``."""
+    """Limits set by administrators; checked at submission under ``select_for_update``, and
+    again when a queued job starts (``max_gpus``, ``gpu_hours_per_month``); the reaper stops
+    the running jobs of a team whose ``gpu_hours_per_month`` is spent."""
 
     team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="quota")
     max_gpus = models.PositiveIntegerField(

@@ -113,6 +113,25 @@ class JobEvent(models.Model):
         return f"{self.job_id} {self.kind} {self.from_state}->{self.to_state}"
 
 
+class GpuCharge(models.Model):
+    """GPU time charged to a team for one calendar month (UTC): one row per ended attempt and
+    month it ran in, so an attempt across a month boundary is charged to each month its
+    share. ``Job.gpu_seconds`` is the sum over the job's attempts."""
+
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="+")
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="gpu_charges")
+    month = models.DateField(help_text="The first day of the month (UTC).")
+    attempt = models.PositiveIntegerField()
+    gpu_seconds = models.FloatField()
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["team", "month"], name="gpucharge_team_month")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} #{self.attempt} {self.month:%Y-%m}: {self.gpu_seconds:g} GPU-s"
+
+
 class JobMetric(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
     step = models.PositiveIntegerField()

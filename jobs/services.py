@@ -38,14 +38,18 @@ from .metric_services import (
     record_metric_steps,
     record_metrics,
 )
-from .models import ACTIVE_STATES, FINAL_STATES, Job, JobEvent, JobKind, JobState
+from .models import ACTIVE_STATES, FINAL_STATES, GpuCharge, Job, JobEvent, JobKind, JobState
 from .quotas import (
     GpuRequestTooLarge,
     QuotaExceeded,
+    attempt_charges,
+    gpu_hours_spent,
     gpu_seconds_this_month,
     gpus_in_use,
+    month_budget_note,
     month_start,
     quota_usage,
+    spent_budget_notes,
 )
 from .spec import SpecError, parse_spec
 from .submission_checks import (
@@ -65,17 +69,21 @@ __all__ = [
     "check_metrics",
     "discard_metrics_after",
     "finish_job",
+    "gpu_hours_spent",
     "gpu_seconds_this_month",
     "gpus_in_use",
     "heartbeat",
     "largest_node_gpus",
     "mark_running",
     "mark_starting",
+    "month_budget_note",
     "month_start",
     "quota_usage",
     "record_metric_steps",
     "record_metrics",
     "requeue_job",
+    "spent_budget_notes",
+    "stop_jobs_over_budget",
     "submit_job",
 ]
 
@@ -187,13 +195,28 @@ def _transition_event(
     )
 
 
-def _attempt_gpu_seconds(job: Job, now: datetime) -> float:
-    if job.started is None:
-        return 0.0
-    # A cancelled job is billed up to the request: the time the runner takes to stop (or the
-    # canceller to take its GPUs back) is the service's, not the team's.
-    until = min(now, job.cancel_requested_at) if job.cancel_requested_at else now
-    return max(0.0, (until - job.started).total_seconds()) * len(job.gpus_held or [])
+class _Charges:
+    """The GPU time of the attempt that ends now, each month its share. ``total`` goes into
+    the job's conditional UPDATE; ``record()`` writes the month rows once that UPDATE won."""
+
+    def __init__(self, job: Job, now: datetime) -> None:
+        self.job = job
+        self.months = attempt_charges(
+            job.started, len(job.gpus_held or []), now, job.cancel_requested_at
+        )
+        self.total = sum(seconds for _, seconds in self.months)
+
+    def record(self) -> None:
+        GpuCharge.objects.bulk_create(
+            GpuCharge(
+                team_id=self.job.team_id,
+                job=self.job,
+                month=month,
+                attempt=self.job.attempt,
+                gpu_seconds=seconds,
+            )
+            for month, seconds in self.months
+        )
 
 
 def submit_job(
@@ -280,8 +303,10 @@ def mark_starting(job_id: JobId, *, node: str, gpus: Iterable[str], task_id: str
     """QUEUED -> STARTING: the dispatcher holds a GPU block for the job and sent its task.
 
     False when the job is no longer queued, or when starting it would take the team over its
-    ``max_gpus`` (GPUs in use at once): the job stays queued and the dispatcher releases the
-    block, to try again after the team's next release.
+    ``max_gpus`` (GPUs in use at once) or its month of GPU-hours is spent: the job stays
+    queued, with a note saying why, and the dispatcher releases the block, to try again after
+    the team's next release (``max_gpus``) or at a later pass (the reaper's, every few
+    seconds), once the quota is raised or the month has turned (``gpu_hours_per_month``).
     """
     gpus = [str(g) for g in gpus]
     now = timezone.now()
@@ -304,6 +329,11 @@ def mark_starting(job_id: JobId, *, node: str, gpus: Iterable[str], task_id: str
                     f"(max_gpus quota); this one needs {len(gpus)}"
                 }
             )
+            return False
+        spent = gpu_hours_spent(quota, now) if quota is not None else None
+        if quota is not None and spent is not None:
+            logger.info("job %s waits: team %s has spent its GPU-hours", job_id, team_id)
+            note_waiting({job_id: month_budget_note(spent, quota.gpu_hours_per_month)})
             return False
         updated = Job.objects.filter(pk=job_id, state=JobState.QUEUED).update(
             queue_note="",
@@ -369,15 +399,19 @@ def finish_job(
         job = Job.objects.filter(pk=job_id, attempt=attempt, state__in=allowed).first()
         if job is None:
             return False
-        charged = _attempt_gpu_seconds(job, now)
+        charges = _Charges(job, now)
+        if state == JobState.CANCELLED and not (error_code or error_message):
+            # A stop the service asked for (a spent budget) keeps the reason it wrote then.
+            error_code, error_message = job.error_code, job.error_message
         updated = Job.objects.filter(pk=job_id, attempt=attempt, state=job.state).update(
             state=state,
             finished=now,
-            gpu_seconds=F("gpu_seconds") + charged,
+            gpu_seconds=F("gpu_seconds") + charges.total,
             error_code=error_code[:64],
             error_message=error_message,
         )
         if updated:
+            charges.record()
             _transition_event(
                 job_id,
                 job.state,
@@ -385,7 +419,7 @@ def finish_job(
                 error_message or state.lower(),
                 attempt=attempt,
                 error_code=error_code,
-                gpu_seconds=charged,
+                gpu_seconds=charges.total,
             )
             transaction.on_commit(_request_dispatch)
     return bool(updated)
@@ -400,7 +434,8 @@ def requeue_job(job_id: JobId, *, attempt: int, reason: str, max_attempts: int) 
         job = Job.objects.filter(pk=job_id, attempt=attempt, state__in=ACTIVE_STATES).first()
         if job is None:
             return False
-        charged = _attempt_gpu_seconds(job, now)
+        charges = _Charges(job, now)
+        charged = charges.total
         guard = Job.objects.filter(pk=job_id, attempt=attempt, state=job.state)
         if job.cancel_requested:
             to_state, message = JobState.CANCELLED, f"cancelled ({reason})"
@@ -432,6 +467,7 @@ def requeue_job(job_id: JobId, *, attempt: int, reason: str, max_attempts: int) 
                 heartbeat=None,
             )
         if updated:
+            charges.record()
             _transition_event(
                 job_id,
                 job.state,
@@ -443,6 +479,41 @@ def requeue_job(job_id: JobId, *, attempt: int, reason: str, max_attempts: int) 
             )
             transaction.on_commit(_request_dispatch)
     return bool(updated)
+
+
+def stop_jobs_over_budget(now: datetime | None = None) -> list[str]:
+    """Stop the starting and running jobs of every team whose GPU-hours this month have reached
+    ``gpu_hours_per_month`` (the reaper calls this every pass). Each stops as a cancel does: at
+    its next step boundary, keeping its checkpoints, its GPUs taken back after the cancel
+    grace period, billed up to now; it ends CANCELLED with ``error_code``
+    ``gpu_hours_per_month`` and a message saying why (a user's cancel leaves both blank).
+    Returns the ids of the jobs asked to stop."""
+    now = now or timezone.now()
+    live = Job.objects.filter(state__in=ACTIVE_STATES, cancel_requested=False)
+    stopped: list[str] = []
+    for quota in Quota.objects.filter(team_id__in=live.values("team_id")):
+        spent = gpu_hours_spent(quota, now)
+        if spent is None:
+            continue
+        limit = quota.gpu_hours_per_month
+        message = (
+            f"stopped: the team has used {round(spent, 2):g} of its {limit:g} GPU-hours this "
+            "month (gpu_hours_per_month quota)"
+        )
+        for job_id in live.filter(team_id=quota.team_id).values_list("pk", flat=True):
+            with transaction.atomic():
+                updated = live.filter(pk=job_id).update(
+                    cancel_requested=True,
+                    cancel_requested_at=now,
+                    error_code="gpu_hours_per_month",
+                    error_message=message,
+                )
+                if updated:
+                    data = {"quota": "gpu_hours_per_month", "used": spent, "limit": limit}
+                    add_event(job_id, JobEvent.Kind.CANCEL_REQUESTED, message, data)
+                    transaction.on_commit(partial(_cancel_running, str(job_id)))
+                    stopped.append(str(job_id))
+    return stopped
 
 
 def heartbeat(job_id: JobId, *, attempt: int, step: int | None = None) -> bool:

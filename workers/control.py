@@ -169,6 +169,10 @@ def reap() -> dict[str, Any]:
     held by a service (a Tinker model worker) is reclaimed and logged: there is no job to
     requeue, and the service's next request starts a new worker.
 
+    The running jobs of a team whose GPU-hours this month are spent are stopped as a cancel
+    stops them (``jobs.services.stop_jobs_over_budget``): a team overruns its month by at most
+    one reaper period times the GPUs it holds (billing stops at the stop request).
+
     Each lease and job is handled on its own: one that fails is logged and the pass goes on,
     since the leases are already reclaimed and a job skipped here would stay STARTING or
     RUNNING on GPUs it no longer holds.
@@ -189,6 +193,12 @@ def reap() -> dict[str, Any]:
             log.exception(
                 "reaper: could not end %s, whose lease on %s expired", lease.job_id, lease.node
             )
+
+    try:
+        stopped = services.stop_jobs_over_budget()
+    except Exception:
+        stopped = []
+        log.exception("reaper: could not stop the jobs of teams over their GPU-hours")
 
     # A cancel whose scheduled enforcement was lost (a worker restart) is enforced here.
     overdue = timezone.now() - timedelta(seconds=2 * CANCEL_GRACE_SECONDS)
@@ -213,9 +223,16 @@ def reap() -> dict[str, Any]:
             log.exception("reaper: could not requeue job %s, which holds no lease", job_id)
     admitted = request_dispatch()
     reclaimed_ids = [lease.job_id for lease in reclaimed]
+    if stopped:
+        log.info("reaper: stopping %s: their teams' GPU-hours this month are spent", stopped)
     if reclaimed or requeued:
         log.info("reaper: reclaimed %s, requeued or ended %s", reclaimed_ids, requeued)
-    return {"reclaimed": reclaimed_ids, "requeued": requeued, "admitted": admitted}
+    return {
+        "reclaimed": reclaimed_ids,
+        "requeued": requeued,
+        "admitted": admitted,
+        "stopped_over_budget": stopped,
+    }
 
 
 def _end_reclaimed(lease: Lease) -> bool:

@@ -16,6 +16,10 @@ the reaper. One pass, under a Redis lock so two dispatchers never admit the same
    every live node; a gang wanting more live nodes of its size than there are) gets no
    reservation (it could block the queue for good while its nodes are down).
 
+A job of a team whose GPU-hours this month have reached its ``gpu_hours_per_month`` quota is
+passed over before allocation (so it never reserves the pool), with a note saying so; the
+reaper's pass, every few seconds, admits it once the quota is raised or the month turns.
+
 An admitted job goes QUEUED -> STARTING (``jobs.services.mark_starting``, with the Celery task
 id saved for revocation) and ``workers.tasks.run_job`` is sent to ``gpu.<node>``.
 """
@@ -72,6 +76,7 @@ class Candidate:
     created: datetime
     attempt: int
     spec: dict[str, Any]
+    team_id: int | None = None
 
     @property
     def gpus_per_node(self) -> int | None:
@@ -100,7 +105,9 @@ def queued_candidates() -> list[Candidate]:
     rows = (
         Job.objects.filter(state=JobState.QUEUED)
         .order_by("-priority", "created")
-        .values("id", "priority", "gpus_requested", "created", "attempt", "spec")[:SCAN_LIMIT]
+        .values("id", "priority", "gpus_requested", "created", "attempt", "spec", "team_id")[
+            :SCAN_LIMIT
+        ]
     )
     return [
         Candidate(
@@ -110,6 +117,7 @@ def queued_candidates() -> list[Candidate]:
             created=r["created"],
             attempt=int(r["attempt"]),
             spec=r["spec"] or {},
+            team_id=r["team_id"],
         )
         for r in rows
     ]
@@ -197,8 +205,13 @@ def dispatch_once(table: GpuLockTable | None = None, now: datetime | None = None
     admitted: list[str] = []
     waiting: dict[str, str] = {}
     pool = _Pool(table)
+    # Read without the quota lock: mark_starting checks again under it.
+    spent = services.spent_budget_notes({c.team_id for c in candidates if c.team_id}, now)
     ordered_candidates = admission_order(candidates, now, aging)
     for i, cand in enumerate(ordered_candidates):
+        if cand.team_id in spent:
+            waiting[cand.job_id] = spent[cand.team_id]
+            continue
         per_node = cand.gpus_per_node
         lease = table.allocate(cand.job_id, cand.gpus, ttl, per_node=per_node)
         if lease is None:
