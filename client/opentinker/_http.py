@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -166,12 +166,12 @@ class Transport:
         return body
 
     @contextmanager
-    def stream(self, path: str) -> Iterator[httpx.Response]:
+    def stream(self, path: str, headers: dict[str, str] | None = None) -> Iterator[httpx.Response]:
         """A streamed GET (downloads); retried like a GET until the body starts arriving."""
         attempt = 0
         while True:
             try:
-                with self._http.stream("GET", path) as response:
+                with self._http.stream("GET", path, headers=headers) as response:
                     if not response.is_success:
                         response.read()
                         self._check(response)
@@ -182,3 +182,33 @@ class Transport:
                     raise NetworkError(f"GET {self.url}{path}: {exc}") from exc
                 time.sleep(self._delay(attempt))
                 attempt += 1
+
+
+def fetch_resuming(http: Transport, path: str, out: IO[bytes]) -> None:
+    """Stream ``path`` into ``out``. A body cut off mid-way (a dropped connection, a proxy's
+    timeout) continues from the bytes already written, asking for the rest (``Range``) of
+    the same file (``If-Range`` with its validator), up to ``http.retries`` times; a server
+    that answers with the whole file instead (it changed meanwhile, or takes no ranges)
+    starts it over."""
+    written, validator, attempt = 0, "", 0
+    while True:
+        headers = {"Range": f"bytes={written}-", "If-Range": validator} if written else None
+        try:
+            with http.stream(path, headers=headers) as response:
+                if response.status_code != 206:
+                    out.seek(0)
+                    out.truncate()
+                    written = 0
+                takes_ranges = response.headers.get("accept-ranges") == "bytes"
+                validator = response.headers.get("etag", "") if takes_ranges else ""
+                for chunk in response.iter_bytes(1 << 16):
+                    out.write(chunk)
+                    written += len(chunk)
+            return
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
+            if not validator or attempt >= http.retries:
+                raise NetworkError(
+                    http._redacted(f"GET {http.url}{path}: broke off after {written} bytes: {exc}")
+                ) from exc
+            time.sleep(http._delay(attempt))
+            attempt += 1

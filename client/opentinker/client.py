@@ -20,7 +20,7 @@ import httpx
 import pydantic
 
 from . import _files, config
-from ._http import Transport
+from ._http import Transport, fetch_resuming
 from .errors import (
     Conflict,
     JobFailed,
@@ -494,9 +494,7 @@ class Client:
         return self._schema
 
     def _fetch(self, path: str, out: IO[bytes]) -> None:
-        with self._http.stream(path) as response:
-            for chunk in response.iter_bytes(1 << 16):
-                out.write(chunk)
+        fetch_resuming(self._http, path, out)
 
     def _download(self, path: str, target: Path, *, overwrite: bool = False) -> Path:
         """Stream to a temporary file beside ``target``, then rename: no torn files."""

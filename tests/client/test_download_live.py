@@ -78,3 +78,102 @@ def test_it_downloads_checkpoints_and_artifacts(
     assert Path(ckpt.stdout.strip()).read_bytes() == blobs["step-000002"]
     both = cli("download", job.id, "--checkpoint", "x", "--artifact", "y", env=api.env)
     assert both.exit_code == 2
+
+
+class CuttingProxy:
+    """A TCP proxy in front of the live server that drops the connection of a response after
+    its first ``cut`` bytes, ``breaks`` times (responses shorter than that pass whole), as a
+    flaky network or a proxy's timeout does mid-download. One request per connection (it
+    asks the server to close after each); the requests it saw are kept."""
+
+    def __init__(self, upstream: str, cut: int, breaks: int = 1) -> None:
+        import socket
+        import threading
+        from urllib.parse import urlparse
+
+        target = urlparse(upstream)
+        self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
+        self.cut, self.breaks = cut, breaks
+        self.requests: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: Any) -> None:
+        import socket
+
+        with client, socket.create_connection(self.upstream) as server:
+            client.settimeout(10)
+            server.settimeout(10)
+            request = b""
+            while b"\r\n\r\n" not in request:
+                data = client.recv(65536)
+                if not data:
+                    return
+                request += data
+            self.requests.append(request)
+            head, _, rest = request.partition(b"\r\n\r\n")
+            server.sendall(head + b"\r\nConnection: close\r\n\r\n" + rest)
+            sent = 0
+            while True:
+                data = server.recv(65536)
+                if not data:
+                    return
+                if sent == 0:
+                    # The client must not send another request on this connection either.
+                    status, _, more = data.partition(b"\r\n")
+                    data = status + b"\r\nConnection: close\r\n" + more
+                if self.breaks > 0 and sent + len(data) >= self.cut:
+                    self.breaks -= 1
+                    client.sendall(data[: self.cut - sent])
+                    client.shutdown(socket.SHUT_WR)
+                    return
+                client.sendall(data)
+                sent += len(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_download_cut_off_midway_continues_where_it_stopped(
+    api: Any, data_dir: Path, tmp_path: Path
+) -> None:
+    with Client(api.url, api.key) as client:
+        job = client.jobs.submit({"method": "smoke", "smoke_steps": 1})
+    blobs = write_run_files(data_dir, job.id)
+    big = os.urandom(3 * (1 << 20) + 11)
+    (data_dir / "jobs" / job.id / "checkpoints" / "step-000002" / "state.pt").write_bytes(big)
+    (data_dir / "jobs" / job.id / "adapter" / "adapter_model.safetensors").write_bytes(big)
+    for what in ("checkpoint", "adapter"):
+        proxy = CuttingProxy(api.url, cut=(1 << 20) + 3)
+        try:
+            with Client(proxy.url, api.key, retries=2) as flaky:
+                remote = flaky.jobs.get(job.id)
+                proxy.requests.clear()
+                if what == "checkpoint":
+                    got = remote.download("step-000002", tmp_path / "out" / "c.pt")
+                    assert got.read_bytes() == big
+                else:
+                    out = remote.download_artifact("adapter", tmp_path / "out" / "a")
+                    assert (out / "adapter_model.safetensors").read_bytes() == big
+                    assert (out / "adapter_config.json").read_bytes() == blobs[
+                        "adapter_config.json"
+                    ]
+        finally:
+            proxy.close()
+        # The second request asked for the rest of the same file, not the whole of it again.
+        first, second = proxy.requests
+        assert b"range:" not in first.lower()
+        assert b"range: bytes=" in second.lower() and b"if-range:" in second.lower()
+    # Nothing temporary is left beside them.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a", "c.pt"]
