@@ -56,16 +56,22 @@ class StrictFilterBackend(DjangoFilterBackend):
             return queryset
         filterset_class = self.get_filterset_class(view, queryset)
         known = set(filterset_class.base_filters) if filterset_class else set()
-        paginator = getattr(view, "paginator", None)
-        for attr in ("cursor_query_param", "page_size_query_param"):
-            if getattr(paginator, attr, None):
-                known.add(getattr(paginator, attr))
-        if api_settings.URL_FORMAT_OVERRIDE:
-            known.add(api_settings.URL_FORMAT_OVERRIDE)
-        unknown = sorted(set(request.query_params) - known)
-        if unknown:
-            names = ", ".join(sorted(known))
-            raise ValidationError(
-                {name: [f"unknown query parameter; known: {names}."] for name in unknown}
-            )
+        refuse_unknown_params(request, known, getattr(view, "paginator", None))
         return super().filter_queryset(request, queryset, view)
+
+
+def refuse_unknown_params(request: Request, known: set[str], paginator: Any = None) -> None:
+    """A 400 naming each query parameter not in ``known`` (plus the paginator's and DRF's
+    ``format``): a misspelt filter must not answer as if it were not there."""
+    known = set(known)
+    for attr in ("cursor_query_param", "page_size_query_param"):
+        if getattr(paginator, attr, None):
+            known.add(getattr(paginator, attr))
+    if api_settings.URL_FORMAT_OVERRIDE:
+        known.add(api_settings.URL_FORMAT_OVERRIDE)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        names = ", ".join(sorted(known))
+        raise ValidationError(
+            {name: [f"unknown query parameter; known: {names}."] for name in unknown}
+        )

@@ -28,7 +28,7 @@ from accounts.pagination import CheckedCursorPagination
 from accounts.scoping import resolve_team, team_ids_for
 
 from . import artifacts, datasets, downloads, sampling, services
-from .filters import DatasetFilter, JobFilter, StrictFilterBackend
+from .filters import DatasetFilter, JobFilter, StrictFilterBackend, refuse_unknown_params
 from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
 from .serializers import (
     ArtifactSerializer,
@@ -57,6 +57,35 @@ class EventCursorPagination(CheckedCursorPagination):
     page_size = 100
     page_size_query_param = "limit"
     max_page_size = 1000
+
+
+# Files and zipped directories take one byte range (jobs.downloads): a broken download of a
+# multi-gigabyte checkpoint continues where it stopped.
+RANGE_RESPONSES = {
+    (206, "application/octet-stream"): OpenApiResponse(
+        OpenApiTypes.BINARY,
+        description="the bytes the Range header asked for (Content-Range says which)",
+    ),
+    (416, "application/json"): OpenApiResponse(
+        OpenApiTypes.OBJECT,
+        description="{detail, range, size}: the range starts past the end of the file",
+    ),
+}
+RANGE_HEADERS = [
+    OpenApiParameter(
+        "Range",
+        str,
+        OpenApiParameter.HEADER,
+        description="One range, bytes=START-[END] or bytes=-SUFFIX; more than one gets the "
+        "whole file.",
+    ),
+    OpenApiParameter(
+        "If-Range",
+        str,
+        OpenApiParameter.HEADER,
+        description="The ETag of an earlier answer: the range only if the file is unchanged.",
+    ),
+]
 
 
 def spec_error_response(errors: list[dict[str, str]]) -> Response:
@@ -135,6 +164,7 @@ class JobViewSet(
     def events(self, request: Request, pk: str | None = None) -> Response:
         """The job's event log, oldest first."""
         job = self.get_object()
+        refuse_unknown_params(request, set(), self.paginator)
         page = self.paginate_queryset(JobEvent.objects.filter(job=job))
         return self.get_paginated_response(JobEventSerializer(page, many=True).data)
 
@@ -149,6 +179,7 @@ class JobViewSet(
     def metrics(self, request: Request, pk: str | None = None) -> Response:
         """Time series by metric name: ``{"series": {"reward/mean": [[step, value], ...]}}``."""
         job = self.get_object()
+        refuse_unknown_params(request, {"name", "since_step"})
         rows = JobMetric.objects.filter(job=job)
         names = request.query_params.getlist("name")
         if any("\x00" in n for n in names):
@@ -186,7 +217,9 @@ class JobViewSet(
             (200, "application/zip"): OpenApiResponse(
                 OpenApiTypes.BINARY, description="a verl checkpoint directory"
             ),
-        }
+            **RANGE_RESPONSES,
+        },
+        parameters=RANGE_HEADERS,
     )
     @action(
         detail=True,
@@ -287,7 +320,9 @@ class JobViewSet(
                 OpenApiTypes.STR,
                 description="metrics.jsonl (one {step, name, value} per line) and eval/*.jsonl",
             ),
-        }
+            **RANGE_RESPONSES,
+        },
+        parameters=RANGE_HEADERS,
     )
     @action(
         detail=True,

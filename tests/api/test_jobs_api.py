@@ -186,6 +186,22 @@ def test_it_refuses_query_parameters_a_list_does_not_take(owner_client):
     assert first.status_code == 200
 
 
+def test_its_events_and_metrics_refuse_query_parameters_they_do_not_take(owner_client):
+    job_id = submit(owner_client).json()["id"]
+    for path, params, name, takes in [
+        ("events", {"limt": 5}, "limt", "limit"),
+        ("metrics", {"names": "loss"}, "names", "since_step"),
+        ("metrics", {"since": 3}, "since", "name"),
+    ]:
+        response = owner_client.get(f"{JOBS}/{job_id}/{path}", params)
+        assert response.status_code == 400, (path, params)
+        assert "unknown query parameter" in response.json()[name][0]
+        assert takes in response.json()[name][0]
+    assert owner_client.get(f"{JOBS}/{job_id}/events", {"limit": 5}).status_code == 200
+    metrics = owner_client.get(f"{JOBS}/{job_id}/metrics", {"name": "loss", "since_step": 1})
+    assert metrics.status_code == 200
+
+
 def test_it_finds_one_job_by_its_id_whatever_the_query(owner_client):
     # The list's filters used to apply to one job too: a mismatch answered 404.
     job_id = submit(owner_client).json()["id"]
