@@ -173,6 +173,10 @@ class YamlJobForm(forms.Form):
         data = super().clean()
         raw = data.get("spec_yaml") or ""
         if data.get("spec_file"):
+            if raw.strip():
+                # Either could be the one meant: the job is not submitted on a guess.
+                self.add_error("spec_file", "give the spec as typed text or as a file, not both")
+                return data
             text = self._file_text(data["spec_file"])
             if text is None:
                 return data

@@ -167,3 +167,22 @@ def test_it_pages_transcripts_by_episode_whatever_blank_lines_they_hold(
     assert "episode-19" in first and "episode-20" not in first and "?page=2" in first
     second = client.get(url, {"page": "2"}).content.decode()
     assert "episode-20" in second and "episode-24" in second and "?page=3" not in second
+
+
+def test_a_spec_file_alone_submits_and_a_file_with_typed_text_is_refused(
+    login: Callable[[Any], Client], gpu_inventory_unknown: None, team: Team, owner: Any
+) -> None:
+    client = login(owner)
+    alone = _post_spec_file(client, b"method: smoke\nsmoke_steps: 3\n")
+    assert alone.status_code == 302, alone.context and alone.context["yaml_form"].errors
+    assert Job.objects.get().spec["smoke_steps"] == 3
+    upload = SimpleUploadedFile("spec.yaml", b"method: smoke\n", content_type="application/x-yaml")
+    both = client.post(
+        reverse("web:job_new_yaml"),
+        {"spec_yaml": "method: smoke\nsmoke_steps: 9\n", "spec_file": upload},
+    )
+    assert both.status_code == 200
+    assert "not both" in both.context["yaml_form"].errors["spec_file"][0]
+    neither = client.post(reverse("web:job_new_yaml"), {"spec_yaml": ""})
+    assert neither.status_code == 200 and neither.context["yaml_form"].errors["spec_yaml"]
+    assert Job.objects.count() == 1
