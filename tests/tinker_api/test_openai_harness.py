@@ -72,6 +72,24 @@ def held_out_prompts(spec_json: dict[str, Any]) -> list[dict[str, Any]]:
     return prompts
 
 
+def uploaded(owner_client: Any, rows: list[dict[str, Any]], name: str, env: str) -> str:
+    """The id of a JSONL dataset of ``rows`` uploaded for ``env``."""
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    body = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    upload = owner_client.post(
+        "/api/v1/datasets",
+        {
+            "file": SimpleUploadedFile(f"{name}.jsonl", body, content_type="application/jsonl"),
+            "name": name,
+            "env": env,
+        },
+        format="multipart",
+    )
+    assert upload.status_code == 201, upload.content
+    return str(upload.json()["id"])
+
+
 def trained(owner_client: Any, spec: dict[str, Any], worker: Any) -> tuple[Any, float]:
     """The job of ``spec``, run to its end on ``worker``, and its final held-out accuracy."""
     from jobs.models import Job, JobState
@@ -151,7 +169,6 @@ def test_it_scores_a_trained_job_through_the_endpoint_as_the_job_scored_itself(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    from django.core.files.uploadedfile import SimpleUploadedFile
 
     from training.model import DEFAULT_BASE_MODEL
 
@@ -163,21 +180,10 @@ def test_it_scores_a_trained_job_through_the_endpoint_as_the_job_scored_itself(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     worker = start_worker(slots=2)
 
-    body = b"".join(json.dumps(r).encode() + b"\n" for r in addition_rows(400))
-    upload = owner_client.post(
-        "/api/v1/datasets",
-        {
-            "file": SimpleUploadedFile("add.jsonl", body, content_type="application/jsonl"),
-            "name": "add2",
-            "env": "math",
-        },
-        format="multipart",
-    )
-    assert upload.status_code == 201, upload.content
     spec = {
         "method": "rl",
         "env": "math",
-        "dataset": str(upload.json()["id"]),
+        "dataset": uploaded(owner_client, addition_rows(400), "add2", "math"),
         "base_model": tiny_base_model.name,
         "steps": STEPS,
         "seed": 3,
@@ -211,7 +217,6 @@ def test_it_scores_a_vision_language_jobs_policy_on_its_diagrams_through_the_end
     the harness sends as an ``image_url`` part (a data URI). Supplementary angles whose values
     the question states, which tiny-vl answers about three times in four before training
     (docs/benchmarks.md), so that right and wrong answers are both graded."""
-    from django.core.files.uploadedfile import SimpleUploadedFile
 
     from jobs.models import BaseModel
     from training import geometry
@@ -228,22 +233,11 @@ def test_it_scores_a_vision_language_jobs_policy_on_its_diagrams_through_the_end
     rows = geometry.dataset_rows(
         range(3_000_000, 3_000_040), ["supplementary"], values_in_text=True
     )
-    body = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
-    upload = owner_client.post(
-        "/api/v1/datasets",
-        {
-            "file": SimpleUploadedFile("geo.jsonl", body, content_type="application/jsonl"),
-            "name": "supplementary",
-            "env": "geometry",
-        },
-        format="multipart",
-    )
-    assert upload.status_code == 201, upload.content
     spec = {
         "method": "rl",
         "env": "geometry",
         "env_config": {"max_tokens": 16},
-        "dataset": str(upload.json()["id"]),
+        "dataset": uploaded(owner_client, rows, "supplementary", "geometry"),
         "base_model": "tiny-vl",
         "steps": STEPS,
         "seed": 2,

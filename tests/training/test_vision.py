@@ -62,6 +62,29 @@ def _perturbed_policy(engine: Engine, seed: int, rank: int = 4) -> Any:
     return policy
 
 
+def _alone(
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    key: str | None,
+    imgs: Any,
+    sample_index: int = 0,
+) -> Any:
+    """What the sampler gives one row decoded by itself."""
+    (seq,) = generate(
+        engine.model,
+        engine.tokenizer,
+        [prompt],
+        params,
+        adapters=[key],
+        host=engine.host,
+        sample_indices=[sample_index],
+        stop_on_eos=False,
+        images=[imgs],
+    )
+    return seq
+
+
 def _merged(arch: str, tokenizer: Any, policy: Any) -> Any:
     """A fresh copy of the base model with `policy`'s LoRA deltas in its weights."""
     model = vl_models.build_vl_model(arch, tokenizer)
@@ -199,16 +222,7 @@ def test_it_gives_each_row_of_a_mixed_batch_what_it_gets_alone(
         stop_on_eos=False,
     )
     for prompt, key, (imgs, _, _), got in zip(prompts, keys, rows, batch):
-        alone = generate(
-            engine.model,
-            tokenizer,
-            [prompt],
-            params,
-            adapters=[key],
-            host=engine.host,
-            images=[imgs],
-            stop_on_eos=False,
-        )[0]
+        alone = _alone(engine, prompt, params, key, imgs)
         assert got.tokens == alone.tokens
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 
@@ -318,18 +332,7 @@ def test_rows_with_images_joining_a_continuous_batch_get_what_they_get_alone(
             got[token.row].append(token.token)
     assert not len(batch)
     for ident, (prompt, imgs, key, j) in enumerate(cases):
-        (alone,) = generate(
-            engine.model,
-            tokenizer,
-            [prompt],
-            params,
-            adapters=[key],
-            host=engine.host,
-            sample_indices=[j],
-            stop_on_eos=False,
-            images=[imgs],
-        )
-        assert got[ident] == alone.tokens, ident
+        assert got[ident] == _alone(engine, prompt, params, key, imgs, j).tokens, ident
     assert got[0] != got[1]  # two samples of one prompt draw their own streams
     with pytest.raises(ValueError, match="no vision tower"):
         ContinuousBatch(tiny_model, None).check(Row([5, 6], params, images=(images[0],)))
