@@ -102,6 +102,9 @@ def test_it_trains_a_vision_policy_with_rl_and_shows_its_transcripts_with_images
     adapted = [n for n, p in model.named_parameters() if "lora_B" in n]
     assert adapted and not [n for n in adapted if ".visual." in n]
 
+    # The job page offers a picture field and shows how to send one to /v1.
+    detail = browser.get(reverse("web:job_detail", args=[job_id])).content.decode()
+    assert 'id="use-model-image"' in detail and 'name="image"' in detail
     # The policy looked at with a picture: the sample endpoint, the page's sample box (the
     # picture uploaded) and /v1 (an image_url part after the text) answer alike, greedily.
     png, question = shown[0], images.text_of(first[-1])

@@ -103,6 +103,8 @@ def test_it_shows_eval_results_and_samples_from_a_finished_rl_job(
 
     # The sample box is offered; htmx gets the box back, as the API would answer.
     assert page.context["can_sample"] and 'id="sample-box"' in html
+    # A text-only base model: no picture field, no picture in the snippet.
+    assert 'name="image"' not in html and 'id="use-model-image"' not in html
     sample_url = reverse("web:job_sample", args=[job_id])
     params = {
         "prompt": "12+34=",
