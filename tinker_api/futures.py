@@ -13,6 +13,8 @@ Keys (prefix ``ot:tinker:``):
 - ``alive:<worker_id>``     STRING refreshed by a worker's heartbeat (TTL: one lease)
 - ``starting:<base>``       STRING set while a worker is being started (no second start)
 - ``next:<model_id>``       STRING the next seq_id a model executes (survives its worker)
+- ``epoch:<worker_id>``     STRING set by a worker when it starts: its absence tells the worker
+                            that Redis lost its data (an empty restart) while it ran
 - ``samples:<base>``        STRING sample and OpenAI-style requests queued or running and not
                             yet answered (backpressure)
 - ``stab:<team>:<seq>``     STRING JSON ``{"tokens", "logprobs"}`` of a sequence sampled with
@@ -91,16 +93,16 @@ _CLAIM = (
 )
 
 
-def claim_entries(base: str, worker_id: str, entries: list[tuple[Any, str]]) -> None:
+def claim_entries(base: str, worker_id: str, entries: list[tuple[Any, str]]) -> list[bool]:
     """Claim the futures of stream entries ``(entry_id, request_id)`` and acknowledge the
-    entries, all in one round trip."""
+    entries, all in one round trip; whether each future moved from queued to claimed."""
     if not entries:
-        return
+        return []
     pipe = _r().pipeline(transaction=False)
     for _entry_id, request_id in entries:
         pipe.eval(_CLAIM, 1, f"{PREFIX}fut:{request_id}", worker_id)
     pipe.xack(stream_key(base), GROUP, *(entry_id for entry_id, _rid in entries))
-    pipe.execute()
+    return [bool(claimed) for claimed in pipe.execute()[:-1]]
 
 
 # Conditional: a future ends once (a worker and a poll that declares it lost may race). The
@@ -165,15 +167,27 @@ def stream_key(base: str) -> str:
     return f"{PREFIX}stream:{base}"
 
 
-def enqueue(base: str, op: dict[str, Any], *, body: bytes | None = None) -> None:
-    r = _r()
-    key = stream_key(base)
+def ensure_group(base: str) -> None:
+    """Create ``base``'s stream and consumer group unless they exist (a Redis that restarted
+    empty has neither)."""
     try:
-        # The group exists before the first message, so a worker started later reads it all.
-        r.xgroup_create(key, GROUP, id="0", mkstream=True)
+        # From the stream's start, so that what was queued before the group is read too.
+        _r().xgroup_create(stream_key(base), GROUP, id="0", mkstream=True)
     except Exception as exc:  # BUSYGROUP: already there
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+def is_nogroup(exc: Exception) -> bool:
+    """Whether a Redis error says the stream or its consumer group is gone."""
+    return str(exc).startswith("NOGROUP")
+
+
+def enqueue(base: str, op: dict[str, Any], *, body: bytes | None = None) -> None:
+    r = _r()
+    key = stream_key(base)
+    # The group exists before the first message, so a worker started later reads it all.
+    ensure_group(base)
     if op.get("op") == "sample":
         r.incr(f"{PREFIX}samples:{base}")
     fields: dict[str, Any] = {"op": json.dumps(op)}
@@ -251,16 +265,43 @@ def samples_answered(base: str, n: int) -> None:
             r.set(f"{PREFIX}samples:{base}", 0)
 
 
-def next_seq(model_id: str) -> int:
+def next_seq(model_id: str) -> int | None:
+    """The next seq_id ``model_id`` executes; None when Redis has no record of it (a model not
+    created yet, or one whose record a Redis restarted empty lost)."""
     value = _r().get(f"{PREFIX}next:{model_id}")
-    return int(value) if value else 0
+    return int(value) if value else None
 
 
 def set_next_seq(model_id: str, seq: int) -> None:
     _r().set(f"{PREFIX}next:{model_id}", seq, ex=30 * 24 * 3600)
 
 
+def submitted_seqs(model_id: str, seqs: range) -> list[int]:
+    """Which of these seq_ids of ``model_id`` a request was submitted for (within the future
+    TTL, as its dedupe key tells)."""
+    if not seqs:
+        return []
+    values = _r().mget([f"{PREFIX}dedupe:seq:{model_id}:{seq}" for seq in seqs])
+    return [seq for seq, value in zip(seqs, values, strict=True) if value is not None]
+
+
 # --------------------------------------------------------------------------- worker registry
+
+EPOCH_TTL = 7 * 86400
+
+
+def mark_epoch(worker_id: str) -> None:
+    _r().set(f"{PREFIX}epoch:{worker_id}", "1", ex=EPOCH_TTL)
+
+
+def epoch_kept(worker_id: str) -> bool:
+    """Whether Redis still holds what it held when ``mark_epoch`` ran (False after a restart
+    that lost the data); renews the mark."""
+    return bool(_r().expire(f"{PREFIX}epoch:{worker_id}", EPOCH_TTL))
+
+
+def clear_epoch(worker_id: str) -> None:
+    _r().delete(f"{PREFIX}epoch:{worker_id}")
 
 
 def worker_of(base: str) -> str | None:

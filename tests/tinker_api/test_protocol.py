@@ -96,6 +96,8 @@ def test_it_answers_foreign_ids_as_unknown(
     assert api(client, other, "session_heartbeat", {"session_id": session_id}).status_code == 404
     poll = api(client, other, "retrieve_future", {"request_id": request_id})
     assert poll.status_code == 410
+    # What the client can do, as for a request lost with a Redis restarted empty.
+    assert "will not run, send it again" in poll.json()["detail"]
     assert api(client, other, "training_runs").json()["training_runs"] == []
     assert api(client, other, f"training_runs/{model_id}").status_code == 404
     mine = api(client, owner_key[1], "get_info", {"model_id": model_id}).json()

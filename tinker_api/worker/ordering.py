@@ -6,16 +6,25 @@ is skipped once that is certain. A request refused at submission arrives as a ``
 future already failed), so the next one runs. A gap that stays open for
 ``OPENTINKER_TINKER_SEQ_GAP_SECONDS`` (a client that numbered a request and never sent it)
 fails the requests waiting behind it, which lets the model's later requests run.
+
+A Redis that restarts without its data loses the requests queued in the stream and each
+model's stored next seq_id. The worker's own next seq_ids stay the truth (written back); a
+model that waits on a seq_id nobody submitted since (no dedupe key), below a request that did
+arrive, skips it after ``GAP_CHECK_SECONDS``: it was lost with the data, and its client has
+been told so (a poll of its future answers that the request is unknown).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from tinker_api import futures
 from tinker_api.worker.requests import Op
 from workers import conf
+
+log = logging.getLogger(__name__)
 
 # How long a model may wait on a missing seq_id before the worker checks whether that
 # request was lost with a dead worker.
@@ -25,6 +34,9 @@ GAP_CHECK_SECONDS = 1.0
 def seq_gap_seconds() -> int:
     return conf.int_setting("OPENTINKER_TINKER_SEQ_GAP_SECONDS", minimum=1)
 
+
+# How far below its first request after a data loss a model looks for requests on their way.
+LOST_WINDOW = 1024
 
 # A model that sent a request this recently is "active": a client in a training loop sends
 # its next request a few milliseconds after its previous one is answered.
@@ -55,16 +67,34 @@ class SeqOrder:
         self.gap_limit = float(seq_gap_seconds())
         # When each model last sent a request (monotonic), for the gather window.
         self.seen: dict[str, float] = {}
+        # Models whose queued requests Redis may have lost with its data -> the lowest
+        # seq_id accepted since (None: none yet); cleared once the model runs past it.
+        self.unsure: dict[str, int | None] = {}
 
     def accept(self, op: Op) -> None:
         model = op.model
         self.seen[model] = time.monotonic()
         if model not in self.next:
-            self.next[model] = futures.next_seq(model)
+            stored = futures.next_seq(model)
+            # Every model starts at seq_id 0 (its creation), which records its next seq_id:
+            # a later request of a model Redis knows nothing of means Redis lost the record.
+            if stored is None and op.seq > 0:
+                self.unsure[model] = None
+            self.next[model] = stored or 0
         if op.seq < self.next[model] or op.seq in self.pending.get(model, {}):
             futures.fail(op.rid, f"request seq_id {op.seq} of {model} was already executed")
             return
+        if model in self.unsure:
+            first = self.unsure[model]
+            self.unsure[model] = op.seq if first is None else min(first, op.seq)
         self.pending.setdefault(model, {})[op.seq] = op
+
+    def data_lost(self) -> None:
+        """Redis lost its data: write back every model's next seq_id, and let a model skip
+        seq_ids lost with the stream."""
+        for model, seq in self.next.items():
+            futures.set_next_seq(model, seq)
+            self.unsure[model] = None
 
     def drop(self, model: str) -> list[Op]:
         """Forget ``model``; returns its queued requests, for the caller to fail."""
@@ -73,6 +103,7 @@ class SeqOrder:
         self.gap_since.pop(model, None)
         self.next.pop(model, None)
         self.seen.pop(model, None)
+        self.unsure.pop(model, None)
         return queued
 
     def queued(self) -> list[Op]:
@@ -148,6 +179,9 @@ class SeqOrder:
     def advance(self, model: str, seq: int) -> None:
         self.next[model] = seq
         futures.set_next_seq(model, seq)
+        first = self.unsure.get(model)
+        if first is not None and seq > first:
+            del self.unsure[model]
 
     def _check_gap(self, model: str) -> None:
         """A seq_id that never arrives: skip it if its request was lost with a dead worker."""
@@ -159,7 +193,11 @@ class SeqOrder:
         if now - since < GAP_CHECK_SECONDS:
             return
         self.waiting_since[model] = now
+        if model in self.unsure:
+            self._skip_lost(model)
         seq = self.next[model]
+        if seq in self.pending[model]:
+            return
         rid = conf.get_redis().get(f"{futures.PREFIX}dedupe:seq:{model}:{seq}")
         if rid is None:
             return
@@ -176,6 +214,22 @@ class SeqOrder:
         if lost:
             futures.fail(rid.decode(), "the model worker executing this request stopped")
             self.advance(model, seq + 1)
+
+    def _skip_lost(self, model: str) -> None:
+        """Move past the seq_ids below the model's lowest queued request that nobody
+        submitted since Redis lost its data: they were lost with it."""
+        seq, first = self.next[model], min(self.pending[model])
+        submitted = futures.submitted_seqs(model, range(max(seq, first - LOST_WINDOW), first))
+        target = min(submitted, default=first)
+        if target > seq:
+            log.warning(
+                "%s: seq_ids %d to %d were lost with Redis's data; running from %d",
+                model,
+                seq,
+                target - 1,
+                target,
+            )
+            self.advance(model, target)
 
     def _give_up_gap(self, model: str) -> None:
         """Fail what waits behind a seq_id that did not arrive in time, and move past it."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,12 +25,17 @@ from training.engine import Engine
 from workers import conf, control
 from workers.dispatcher import JOBS_WAITING_KEY
 
+log = logging.getLogger(__name__)
+
 # How often a worker looks for sessions that stopped heartbeating.
 REAP_SECONDS = 30.0
 # How often the serve loop asks whether its Celery worker is shutting down, and how long it
 # then keeps running the requests it has already read before it ends.
 STOP_CHECK_SECONDS = 1.0
 STOP_DRAIN_SECONDS = 10.0
+# Entries are acknowledged as they are read, so one pending longer than this belongs to a
+# worker that read it and then lost the reply or died: any worker of the base may take it.
+ORPHAN_IDLE_MS = 60_000
 
 
 def idle_seconds() -> int:
@@ -58,6 +65,10 @@ def gather_seconds(device: str) -> float:
     if conf.setting("OPENTINKER_TINKER_GATHER_MS") is None:
         return 0.0 if device == "cpu" else 0.003
     return conf.int_setting("OPENTINKER_TINKER_GATHER_MS", minimum=0) / 1000.0
+
+
+# Requests that can run twice without harm; every other one runs once (its future's claim).
+RERUNNABLE = frozenset({"skip", "close"})
 
 
 def jobs_waiting(node: str) -> bool:
@@ -96,35 +107,92 @@ class ModelWorker:
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
+        # Called when Redis turns out to have lost its data: the lease and the registration
+        # are gone too, and must be taken back before anyone else takes them.
+        self.on_data_lost: Callable[[], None] = lambda: None
+        futures.ensure_group(base)
+        futures.mark_epoch(worker_id)
 
     # ---------------------------------------------------------------- reading
 
     def read(self, block_ms: int) -> int:
-        r = conf.get_redis()
-        got = r.xreadgroup(
-            futures.GROUP,
-            self.worker_id,
-            {futures.stream_key(self.base): ">"},
-            count=512,
-            block=block_ms or None,
-        )
+        try:
+            got = conf.get_redis().xreadgroup(
+                futures.GROUP,
+                self.worker_id,
+                {futures.stream_key(self.base): ">"},
+                count=512,
+                block=block_ms or None,
+            )
+        except Exception as exc:
+            if not futures.is_nogroup(exc):
+                raise
+            self.data_lost()
+            return 0
+        return self._take([e for _stream, entries in got or [] for e in entries], again=False)
+
+    def _take(self, entries: list[Any], *, again: bool) -> int:
+        """Claim and queue stream entries. ``again``: entries delivered before, whose delivery
+        this worker may or may not have seen; a request whose future is no longer queued
+        then ran already."""
         ops: list[Op] = []
         claims: list[tuple[Any, str]] = []
-        for _stream, entries in got or []:
-            for entry_id, raw in entries:
-                fields = {k.decode(): v for k, v in raw.items()}
-                op = Op(
-                    fields=json.loads(fields["op"]),
-                    body=fields.get("body"),
-                )
-                ops.append(op)
-                claims.append((entry_id, op.rid))
-        futures.claim_entries(self.base, self.worker_id, claims)
+        for entry_id, raw in entries:
+            fields = {k.decode(): v for k, v in raw.items()}
+            op = Op(fields=json.loads(fields["op"]), body=fields.get("body"))
+            ops.append(op)
+            claims.append((entry_id, op.rid))
+        claimed = futures.claim_entries(self.base, self.worker_id, claims)
+        if again:
+            # A skip's or a close's future is not a queued one; running either twice is harmless.
+            ops = [op for op, ok in zip(ops, claimed, strict=True) if ok or op.kind in RERUNNABLE]
         for op in ops:
             self._accept(op)
         if ops:
             self.last_activity = time.monotonic()
         return len(ops)
+
+    def reclaim(self) -> int:
+        """Take up entries delivered but never acknowledged: this worker's own (a connection
+        that dropped after Redis sent a read's reply lost them on the way) and those of a
+        worker that died between reading and acknowledging."""
+        r = conf.get_redis()
+        key = futures.stream_key(self.base)
+        try:
+            own = r.xreadgroup(futures.GROUP, self.worker_id, {key: "0"}, count=512)
+            orphans = r.xautoclaim(
+                key, futures.GROUP, self.worker_id, ORPHAN_IDLE_MS, "0-0", count=512
+            )
+        except Exception as exc:
+            if not futures.is_nogroup(exc):
+                raise
+            self.data_lost()
+            return 0
+        entries = [e for _stream, batch in own or [] for e in batch]
+        seen = {entry_id for entry_id, _raw in entries}
+        entries += [e for e in orphans[1] if e[0] not in seen]
+        if entries:
+            log.warning(
+                "worker %s takes up %d unacknowledged requests", self.worker_id, len(entries)
+            )
+        return self._take(entries, again=True)
+
+    def data_lost(self) -> None:
+        """Redis restarted without its data: the stream, its group, the futures, every
+        model's next seq_id, the lease and this worker's registration are gone. The models'
+        state and their next seq_ids live on here; requests that were queued are lost with
+        their futures (a poll of one answers that it is unknown)."""
+        log.warning("Redis lost its data: worker %s recreates its stream group", self.worker_id)
+        futures.ensure_group(self.base)
+        futures.mark_epoch(self.worker_id)
+        self.order.data_lost()
+        self.on_data_lost()
+
+    def check_epoch(self) -> None:
+        # The stream and group come back with the next submission, so reads alone do not
+        # always see the loss.
+        if not futures.epoch_kept(self.worker_id):
+            self.data_lost()
 
     def _accept(self, op: Op) -> None:
         if op.kind == "sample":
@@ -254,6 +322,8 @@ class ModelWorker:
                 if control.is_stopping():
                     self.drain(STOP_DRAIN_SECONDS)
                     return "shutdown"
+                self.check_epoch()
+                self.reclaim()
             self.read(0 if self.has_runnable() else 200)
             self.gather_batch()
             if self.step():
