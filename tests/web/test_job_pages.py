@@ -133,6 +133,12 @@ def test_it_uploads_a_dataset_from_the_job_form_and_uses_it(
     dataset = Dataset.objects.get(team=team, name="my-arith")
     assert dataset.rows == len(MATH_ROWS)
     assert Job.objects.get(name="with-upload").spec["dataset"] == dataset.ref
+    # The name taken: said beside the name, which is what to change.
+    data["dataset_file"] = SimpleUploadedFile("rows.jsonl", jsonl_bytes(MATH_ROWS))
+    again = client.post(reverse("web:job_new"), data)
+    assert again.status_code == 200
+    assert "already has a dataset named" in again.context["form"].errors["dataset_name"][0]
+    assert "dataset_file" not in again.context["form"].errors
 
 
 def test_it_submits_from_yaml_and_reports_yaml_errors(

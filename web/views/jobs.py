@@ -105,7 +105,10 @@ def job_new(request: HttpRequest) -> HttpResponse:
                     chunks=data["dataset_file"].chunks(),
                 )
             except dataset_store.DatasetRejected as exc:
-                form.add_error("dataset_file", str(exc))
+                # A taken name is the name field's to fix (an earlier submission that was
+                # refused may have stored the file under it already); the rest, the file's.
+                taken = any(e.get("field") == "name" for e in exc.errors)
+                form.add_error("dataset_name" if taken else "dataset_file", str(exc))
             else:
                 spec["dataset"] = uploaded.ref
         elif data.get("dataset"):
