@@ -303,3 +303,16 @@ def test_a_cache_that_keeps_a_window_takes_no_rows_mid_decode(tiny_tokenizer):
     while len(batch):
         batch.step()
     assert batch.can_join  # an empty batch takes rows again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_joining_mid_decode_on_cuda_get_what_they_get_alone(tiny_model, tiny_tokenizer):
+    model = tiny_model.to("cuda")
+    rows = [
+        Row(p, SamplingParams(max_tokens=m, temperature=1.0, seed=s), stop_on_eos=False)
+        for p, m, s in zip(PROMPTS, [12, 5, 9, 14], [1, 2, 3, 4], strict=True)
+    ]
+    got = _run(ContinuousBatch(model, tiny_tokenizer), {0: rows[:2], 3: [rows[2]], 7: [rows[3]]})
+    for ident, row in enumerate(rows):
+        assert got[ident] == _alone(model, tiny_tokenizer, row), ident
