@@ -140,12 +140,13 @@ def zip_response(
     """A directory as a zip, made once and then served as a file (``Range``, ``HEAD``,
     ``ETag``). A HEAD before any download answers with the headers alone rather than make
     the zip: its size is not known until it is made."""
-    made = artifacts.zipped_if_made(job_id, path, compress=compress)
-    if request.method == "HEAD" and made is None:
-        response = StreamingHttpResponse([], content_type="application/zip")
-        response["Content-Disposition"] = content_disposition_header(True, filename)
-        response["Accept-Ranges"] = "bytes"
-        return response
-    if made is None:
+    if request.method == "HEAD":
+        made = artifacts.zipped_if_made(job_id, path, compress=compress)
+        if made is None:
+            response = StreamingHttpResponse([], content_type="application/zip")
+            response["Content-Disposition"] = content_disposition_header(True, filename)
+            response["Accept-Ranges"] = "bytes"
+            return response
+    else:
         made = artifacts.zipped(job_id, path, compress=compress)
     return file_response(request, made, filename=filename, content_type="application/zip")

@@ -234,10 +234,6 @@ class SampleRequestSerializer(RefuseUnknownFields, serializers.Serializer):
             raise serializers.ValidationError("give exactly one of `prompt` or `messages`.")
         if "messages" in attrs and not attrs["messages"]:
             raise serializers.ValidationError({"messages": ["must not be empty."]})
-        if "image" in attrs and "messages" not in attrs:
-            raise serializers.ValidationError(
-                {"image": ["an image goes with a chat (`messages`), not a raw `prompt`."]}
-            )
         return attrs
 
 

