@@ -9,7 +9,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from . import datasets, services
-from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
+from .models import BaseModel, Dataset, Job, JobEvent, JobMetric, ServingCharge
 
 
 class JobEventInline(admin.TabularInline):
@@ -73,6 +73,21 @@ class JobMetricAdmin(admin.ModelAdmin):
     list_select_related = ["job"]
     raw_id_fields = ["job"]
     search_fields = ["job__id", "name"]
+
+
+@admin.register(ServingCharge)
+class ServingChargeAdmin(admin.ModelAdmin):
+    """The model workers' GPU time per team, month and base model (written by the workers)."""
+
+    list_display = ["team", "month", "base_model", "gpu_seconds", "requests", "updated"]
+    list_filter = ["month", "base_model"]
+    search_fields = ["team__slug", "base_model"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
 
 
 @admin.register(Dataset)

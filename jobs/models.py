@@ -132,6 +132,31 @@ class GpuCharge(models.Model):
         return f"{self.job_id} #{self.attempt} {self.month:%Y-%m}: {self.gpu_seconds:g} GPU-s"
 
 
+class ServingCharge(models.Model):
+    """GPU time of the shared model workers charged to a team for one calendar month (UTC)
+    and base model: the compute its Tinker, ``/v1`` and job-sample requests took, a batch's
+    time split between the teams in it by their share of its rows (sampling) or its bytes
+    (forward/backward). A worker's idle time is the service's. Workers add to the row."""
+
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="+")
+    month = models.DateField(help_text="The first day of the month (UTC).")
+    base_model = models.CharField(max_length=100)
+    gpu_seconds = models.FloatField(default=0.0)
+    requests = models.PositiveBigIntegerField(default=0)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "month", "base_model"], name="servingcharge_team_month_base"
+            )
+        ]
+
+    def __str__(self) -> str:
+        month = f"{self.month:%Y-%m}"
+        return f"team {self.team_id} {month} {self.base_model}: {self.gpu_seconds:g} GPU-s"
+
+
 class JobMetric(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
     step = models.PositiveIntegerField()

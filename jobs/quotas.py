@@ -6,6 +6,7 @@ row lock, so that concurrent submissions cannot race past a limit.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, date, datetime
 
 from django.db.models import Sum
@@ -13,18 +14,22 @@ from django.utils import timezone
 
 from accounts.models import Quota, Team
 
-from .models import ACTIVE_STATES, GpuCharge, Job, JobState
+from .models import ACTIVE_STATES, GpuCharge, Job, JobState, ServingCharge
 
 __all__ = [
+    "BudgetSpent",
     "GpuRequestTooLarge",
     "QuotaExceeded",
     "attempt_charges",
+    "check_month_budget",
+    "forget_recent_usage",
     "gpu_hours_spent",
     "gpu_seconds_this_month",
     "gpus_in_use",
     "month_budget_note",
     "month_start",
     "quota_usage",
+    "serving_seconds",
     "spent_budget_notes",
 ]
 
@@ -44,6 +49,55 @@ class QuotaExceeded(Exception):
     @property
     def retryable(self) -> bool:
         return self.quota in self.RETRYABLE
+
+
+class BudgetSpent(Exception):
+    """The team's GPU-hours this month are spent: requests that would run on the model
+    workers (sampling, forward/backward, optimizer steps) are refused."""
+
+    quota = "gpu_hours_per_month"
+
+    def __init__(self, used_hours: float, limit_hours: float, seconds_left: float) -> None:
+        self.used_hours = used_hours
+        self.limit_hours = limit_hours
+        # Until the month turns (UTC), when the budget starts again.
+        self.seconds_left = seconds_left
+        super().__init__(
+            f"the team has used {round(used_hours, 2):g} of its {limit_hours:g} GPU-hours this "
+            "month (gpu_hours_per_month quota): requests that run on the model workers are "
+            "refused until the quota is raised or the month ends"
+        )
+
+
+# Every request to the model workers checks its team's month. The usage behind the check (three
+# aggregate queries, several times the rest of a request's) is reused this long in a process;
+# the limit is read each time, so a raised quota lets the team on at once. The model workers
+# add their time every OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS, so the usage is that late anyway.
+USAGE_REUSE_SECONDS = 2.0
+_recent_usage: dict[tuple[int, date], tuple[float, float]] = {}
+
+
+def check_month_budget(team_id: int, now: datetime | None = None) -> None:
+    """Raise ``BudgetSpent`` once the team's GPU-hours this month are spent (at ``now``:
+    then the usage is counted afresh)."""
+    at = now or timezone.now()
+    quota = Quota.objects.filter(team_id=team_id).first() or Quota(team_id=team_id)
+    key = (team_id, month_start(at).date())
+    recent = _recent_usage.get(key)
+    if now is not None or recent is None or recent[0] < time.monotonic():
+        seconds = gpu_seconds_this_month(team_id, at)
+        _recent_usage[key] = (time.monotonic() + USAGE_REUSE_SECONDS, seconds)
+    else:
+        seconds = recent[1]
+    used = seconds / 3600.0
+    if used >= quota.gpu_hours_per_month:
+        left = (_next_month(month_start(at)) - at).total_seconds()
+        raise BudgetSpent(used, quota.gpu_hours_per_month, left)
+
+
+def forget_recent_usage() -> None:
+    """Count every team's usage afresh at its next check."""
+    _recent_usage.clear()
 
 
 class GpuRequestTooLarge(Exception):
@@ -111,12 +165,14 @@ def gpus_in_use(team_id: int) -> int:
 
 def gpu_seconds_this_month(team_id: int, now: datetime | None = None) -> float:
     """GPU time charged this calendar month (UTC): the charges of ended attempts, plus the
-    running attempts' time so far. An attempt across a month boundary is split there."""
+    running attempts' time so far, plus the model workers' time on the team's requests
+    (``ServingCharge``). An attempt across a month boundary is split there."""
     now = now or timezone.now()
     month = month_start(now).date()
     charged = GpuCharge.objects.filter(team_id=team_id, month=month).aggregate(
         total=Sum("gpu_seconds")
     )["total"]
+    served = serving_seconds(team_id, month)
     running = 0.0
     for started, held, cancelled_at in Job.objects.filter(
         team_id=team_id, state__in=ACTIVE_STATES, started__isnull=False
@@ -124,7 +180,14 @@ def gpu_seconds_this_month(team_id: int, now: datetime | None = None) -> float:
         for when, seconds in attempt_charges(started, len(held or []), now, cancelled_at):
             if when == month:
                 running += seconds
-    return float(charged or 0.0) + running
+    return float(charged or 0.0) + served + running
+
+
+def serving_seconds(team_id: int, month: date) -> float:
+    total = ServingCharge.objects.filter(team_id=team_id, month=month).aggregate(
+        total=Sum("gpu_seconds")
+    )["total"]
+    return float(total or 0.0)
 
 
 def gpu_hours_spent(quota: Quota, now: datetime | None = None) -> float | None:
@@ -158,4 +221,7 @@ def quota_usage(team: Team) -> dict[str, float | int]:
         "gpus_in_use": gpus_in_use(team.pk),
         "queued_jobs": Job.objects.filter(team=team, state=JobState.QUEUED).count(),
         "gpu_hours_this_month": round(gpu_seconds_this_month(team.pk) / 3600.0, 4),
+        "serving_gpu_hours_this_month": round(
+            serving_seconds(team.pk, month_start().date()) / 3600.0, 4
+        ),
     }

@@ -121,7 +121,12 @@ class QuotaLimitsSerializer(serializers.Serializer):
 class QuotaUsageSerializer(serializers.Serializer):
     gpus_in_use = serializers.IntegerField()
     queued_jobs = serializers.IntegerField()
-    gpu_hours_this_month = serializers.FloatField()
+    gpu_hours_this_month = serializers.FloatField(
+        help_text="Jobs' GPU time this month (UTC) plus the model workers' on the team's requests."
+    )
+    serving_gpu_hours_this_month = serializers.FloatField(
+        help_text="The shared model workers' part: Tinker, /v1 and job-sample requests."
+    )
 
 
 class QuotaSerializer(serializers.Serializer):

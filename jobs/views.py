@@ -30,6 +30,7 @@ from accounts.scoping import resolve_team, team_ids_for
 from . import artifacts, datasets, downloads, sampling, services
 from .filters import DatasetFilter, JobFilter, StrictFilterBackend, refuse_unknown_params
 from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
+from .quotas import BudgetSpent
 from .serializers import (
     ArtifactSerializer,
     BaseModelSerializer,
@@ -277,7 +278,8 @@ class JobViewSet(
     def sample(self, request: Request, pk: str | None = None) -> Response:
         """Generate from the job's final adapter on the model worker of its base model
         (bounded: see jobs.sampling); 409 without one, 429 while the team or the queue is
-        full, 503 when no model worker answers."""
+        full, 403 once the team's GPU-hours this month are spent, 503 when no model worker
+        answers."""
         job = self.get_object()
         params = SampleRequestSerializer(data=request.data)
         params.is_valid(raise_exception=True)
@@ -306,6 +308,16 @@ class JobViewSet(
             )
         except sampling.SamplerUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        except BudgetSpent as exc:
+            return Response(
+                {
+                    "detail": str(exc),
+                    "quota": exc.quota,
+                    "limit": exc.limit_hours,
+                    "current": round(exc.used_hours, 4),
+                },
+                status=status.HTTP_403_FORBIDDEN,
+            )
         return Response({"job": str(job.pk), "samples": samples})
 
     @extend_schema(

@@ -8,6 +8,7 @@ forgetting a marker.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,15 @@ ONCE_PATHS = (
     "workers/test_demo.py",
     "workers/test_serve_supervisor.py",
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_remembered_usage() -> None:
+    """Each test's teams start with no month's usage remembered by this process (the quota
+    check reuses it for a moment, and team ids repeat from test to test)."""
+    quotas = sys.modules.get("jobs.quotas")
+    if quotas is not None:
+        quotas.forget_recent_usage()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -245,7 +245,8 @@ def submit(
         str(op["op"]),
         base,
         f"{time.time():.3f}",
-        json.dumps(op),
+        # The worker charges the request's GPU time to its team.
+        json.dumps({**op, "team": team_id}),
         "1" if body is not None else "0",
         GROUP,
         body if body is not None else b"",

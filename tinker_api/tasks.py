@@ -108,7 +108,7 @@ def _serve(
         from tinker_api.worker.server import ModelWorker
 
         device = lease_devices(table, node, gpus)[0]
-        worker = ModelWorker(base, base_path, device, worker_id, node)
+        worker = ModelWorker(base, base_path, device, worker_id, node, gpus=len(gpus))
         heartbeat.on_lost = worker.stopping.set
         worker.on_data_lost = heartbeat.check_now
         outcome = worker.serve()
@@ -125,6 +125,7 @@ def _serve(
         futures.clear_epoch(worker_id)
         if worker is not None:
             worker.fail_everything(f"the model worker for {base} stopped ({outcome})")
+            worker.meter.flush(force=True)
         else:
             drain_failed(base, worker_id, f"the model worker for {base} could not start: {outcome}")
         table.release(lease)

@@ -165,6 +165,8 @@ class QuotaUsage(_Model):
     gpus_in_use: int
     queued_jobs: int
     gpu_hours_this_month: float
+    serving_gpu_hours_this_month: float = 0.0
+    """The shared model workers' time on the team's requests (part of the above)."""
 
 
 class Quota(_Model):

@@ -269,6 +269,11 @@ OPENTINKER_TINKER_SAMPLE_BATCH_ROWS = read_int(
 OPENTINKER_TINKER_SEQ_GAP_SECONDS = read_int(
     "OPENTINKER_TINKER_SEQ_GAP_SECONDS", 120, minimum=1, maximum=24 * 3600
 )
+# How often a model worker adds the GPU time it spent on each team's requests to the
+# database (the monthly GPU-hours quota): a team's spent month is refused this late at most.
+OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS = read_int(
+    "OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS", 10, minimum=0, maximum=3600
+)
 # Directories an ImageAssetPointerChunk may point into (a path list, os.pathsep-separated);
 # empty: asset pointers must carry their image as a data URI.
 OPENTINKER_IMAGE_ASSET_ROOTS: list[Path] = [

@@ -7,6 +7,7 @@ from rest_framework.test import APIClient
 
 from accounts.models import Quota
 from jobs import services
+from jobs.charge_services import charge_serving
 
 pytestmark = pytest.mark.django_db
 
@@ -33,6 +34,12 @@ def test_it_reports_quota_limits_and_usage(owner_client, team, owner):
     assert body["usage"]["queued_jobs"] == 1
     assert body["usage"]["gpus_in_use"] == 2
     assert body["usage"]["gpu_hours_this_month"] >= 0
+    assert body["usage"]["serving_gpu_hours_this_month"] == 0
+
+    charge_serving("tiny", {team.pk: 720.0}, {team.pk: 4})
+    usage = owner_client.get("/api/v1/quota").json()["usage"]
+    assert usage["serving_gpu_hours_this_month"] == 0.2
+    assert usage["gpu_hours_this_month"] >= 0.2
 
 
 def test_it_needs_a_team_for_session_users_with_several(make_team, owner, team):

@@ -13,6 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from accounts.models import ApiKey, Invitation, Membership, Team
+from jobs.charge_services import charge_serving
 
 pytestmark = pytest.mark.django_db
 
@@ -151,6 +152,11 @@ def test_it_shows_quota_usage_bars(
     page = login(owner).get(reverse("web:team")).content.decode()
     assert 'aria-valuenow="1"' in page and 'aria-valuemax="4"' in page
     assert "1 of 4 (25.0%)" in page
+    assert "model workers" not in page
+
+    charge_serving("tiny", {team.pk: 360.0}, {team.pk: 2})
+    page = login(owner).get(reverse("web:team")).content.decode()
+    assert "0.1 h of 100.0 h (0.1%); 0.1 h of it on the shared model workers" in page
 
 
 def _sign_up_and_verify(client: Client, username: str, email: str) -> Any:

@@ -335,6 +335,41 @@ def test_it_answers_429_when_the_teams_requests_are_all_in_flight(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_it_refuses_samples_once_the_teams_gpu_hours_are_spent(
+    login: Callable[[Any], Client],
+    submit: Callable[..., Any],
+    data_dir: Any,
+    team: Team,
+    owner: Any,
+    owner_client: APIClient,
+    tiny_base_model: Any,
+    clean_control_plane: Any,
+) -> None:
+    """The model workers' time on the team's requests counts against its month: once spent,
+    the sample endpoint and the box refuse (403, naming the quota), queueing nothing."""
+    from jobs.charge_services import charge_serving
+    from tinker_api import futures
+
+    team.quota.gpu_hours_per_month = 0.01
+    team.quota.save()
+    job = submit(team, owner, name="spent")
+    _finish_with_adapter(job)
+    charge_serving("tiny", {team.pk: 60.0}, {team.pk: 3})
+    queued = futures.queued_samples("tiny")
+    api = owner_client.post(f"/api/v1/jobs/{job.pk}/sample", {"prompt": "1+1="}, format="json")
+    assert api.status_code == 403, api.content
+    assert api.json()["quota"] == "gpu_hours_per_month" and api.json()["limit"] == 0.01
+    assert "used 0.02 of its 0.01 GPU-hours this month" in api.json()["detail"]
+    box = login(owner).post(
+        reverse("web:job_sample", args=[job.pk]),
+        {"prompt": "1+1=", "mode": "raw", "max_tokens": "4", "temperature": "0", "n": "1"},
+    )
+    assert box.status_code == 403
+    assert "Cannot sample: the team has used 0.02 of its 0.01 GPU-hours" in box.content.decode()
+    assert futures.queued_samples("tiny") == queued
+
+
+@pytest.mark.django_db(transaction=True)
 def test_it_tells_a_rate_limited_client_the_real_wait(
     submit: Callable[..., Any],
     data_dir: Any,

@@ -13,10 +13,11 @@ from typing import Any
 from celery import current_app
 from django.utils import timezone
 
+from jobs.quotas import BudgetSpent, check_month_budget
 from tinker_api import futures, wire
 from tinker_api import schemas as s
 from tinker_api.models import TrainingModel
-from tinker_api.services.lookups import Caller, NotFound, base_model
+from tinker_api.services.lookups import Caller, NotFound, Refused, base_model
 from workers import conf
 from workers.celeryconf import node_queue
 from workers.locktable import GpuLockTable
@@ -136,6 +137,15 @@ def check_seq(seq: int | None) -> int:
     if seq < 1:
         raise wire.WireError("seq_id must be 1 or more (0 is the model's creation)")
     return seq
+
+
+def check_budget(caller: Caller) -> None:
+    """Refuse (403) what would run on the model workers once the team's GPU-hours this
+    month are spent. Saving and loading weights still run: a team keeps its work."""
+    try:
+        check_month_budget(caller.team_id)
+    except BudgetSpent as exc:
+        raise Refused(f"{exc}; saving and loading weights still work") from exc
 
 
 def check_open(model: TrainingModel) -> None:

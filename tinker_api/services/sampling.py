@@ -15,7 +15,7 @@ from tinker_api.services.lookups import (
     get_sampling_session,
     live_session,
 )
-from tinker_api.services.queue import ensure_worker
+from tinker_api.services.queue import check_budget, ensure_worker
 from tinker_api.services.training import vocab_size
 from workers import conf
 
@@ -138,6 +138,7 @@ def sample(
 ) -> tuple[str | None, list[str]]:
     """(request_id, sample_sequence_ids); request_id None means "queue full, retry"."""
     session = _request_sampling_session(caller, req)
+    check_budget(caller)
     base = base_model(session.base_model)
     _check_topk_vocabulary(req, vocab_size(base.resolved_path()))
     count, image_token = images.counter_for(base.resolved_path())
@@ -177,6 +178,7 @@ def sample(
             {
                 "op": "sample",
                 "rid": request_id,
+                "team": caller.team_id,
                 "target": target,
                 "prompt": prompt,
                 "images": [image.to_json() for image in pictures],

@@ -26,6 +26,7 @@ from django.utils import timezone
 from accounts.models import Quota
 from jobs import artifacts
 from jobs.models import BaseModel, Job
+from jobs.quotas import check_month_budget
 from jobs.spec import SpecError, parse_spec
 from tinker_api import events, futures, wire
 from tinker_api.models import Checkpoint
@@ -227,7 +228,9 @@ def team_concurrency() -> int:
 def submit(caller: Caller, served: Served, op: dict[str, Any], *, hold_seconds: float) -> str:
     """Queue one chat or completion request; its request id. ``Busy`` when the caller's team
     has its limit of requests in flight, or the base model's queue is full. The request
-    counts against its team until ``finish`` (or ``hold_seconds``, if that never comes)."""
+    counts against its team until ``finish`` (or ``hold_seconds``, if that never comes).
+    ``BudgetSpent`` once the team's GPU-hours this month are spent."""
+    check_month_budget(caller.team_id)
     request_id = futures.new_request_id()
     limit = team_concurrency()
     if not events.take_slot(caller.team_id, request_id, limit, hold_seconds):

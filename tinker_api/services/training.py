@@ -24,7 +24,7 @@ from tinker_api.services.lookups import (
     live_session,
     written_checkpoint,
 )
-from tinker_api.services.queue import ordered, refuse_unparsed, submit
+from tinker_api.services.queue import check_budget, ordered, refuse_unparsed, submit
 from workers import conf
 
 
@@ -150,6 +150,7 @@ def forward_backward(
         raise
     model = get_model(caller, batch.model_id)
     with ordered(caller, model, batch.seq_id):
+        check_budget(caller)
         base = base_model(model.base_model)
         count, image_token = images.counter_for(base.resolved_path())
         wire.expand_images(batch, count, image_token)
@@ -195,6 +196,7 @@ def _vocab_size(config: str, _mtime_ns: int) -> int | None:
 def optim_step(caller: Caller, req: s.OptimStepRequest) -> str:
     model = get_model(caller, req.model_id)
     with ordered(caller, model, req.seq_id):
+        check_budget(caller)
         if req.adam_params is None:
             kind = (req.optimizer_params or {}).get("type")
             raise wire.WireError(f"optimizer {kind!r} is not supported; send adam_params")

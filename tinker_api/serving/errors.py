@@ -38,6 +38,7 @@ class ApiError(Exception):
         *,
         retry_after: float = RETRY_AFTER_SECONDS,
         headers: dict[str, str] | None = None,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,12 +47,13 @@ class ApiError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.headers = dict(headers or {})
+        self.error_type = error_type
 
     def body(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,
-                "type": TYPES.get(self.status, "invalid_request_error"),
+                "type": self.error_type or TYPES.get(self.status, "invalid_request_error"),
                 "param": self.param,
                 "code": self.code,
             }

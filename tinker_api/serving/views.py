@@ -27,6 +27,7 @@ from rest_framework.exceptions import AuthenticationFailed
 
 from accounts.authentication import ApiKeyAuthentication
 from jobs.models import Job
+from jobs.quotas import BudgetSpent
 from tinker_api import events, images
 from tinker_api.services import serving
 from tinker_api.services.lookups import Caller
@@ -308,6 +309,16 @@ def _serve(request: HttpRequest, caller: Caller, kind: Kind) -> HttpResponse:
             code="rate_limit_exceeded",
             retry_after=exc.retry_after,
             headers=exc.headers,
+        ) from exc
+    except BudgetSpent as exc:
+        # OpenAI's answer to a spent quota; retrying cannot help before the month turns.
+        raise ApiError(
+            429,
+            str(exc),
+            code="insufficient_quota",
+            error_type="insufficient_quota",
+            retry_after=exc.seconds_left,
+            headers={"x-should-retry": "false"},
         ) from exc
     released = False
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,10 @@ class ChatHandler:
         return bool(self.runs) or bool(self.waiting)
 
     # ------------------------------------------------------------------ logprobs
+
+    def row_teams(self) -> Counter[int | None]:
+        """The rows in the batch per team (what a decode step's time is split by)."""
+        return Counter(run.op.team for run, _choice in self.owner.values())
 
     def _entry(self, step: StepToken, top: int) -> dict[str, Any]:
         alternatives = [(int(t), lp) for t, lp in (step.topk or [])[:top]]

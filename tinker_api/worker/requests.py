@@ -40,6 +40,13 @@ class Op:
         return str(self.fields.get("model", ""))
 
     @property
+    def team(self) -> int | None:
+        """The team the request's GPU time is charged to (None: a request of the service's
+        own, such as closing a session's models)."""
+        team = self.fields.get("team")
+        return int(team) if team is not None else None
+
+    @property
     def seq(self) -> int:
         return int(self.fields.get("seq", 0))
 

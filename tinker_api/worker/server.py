@@ -16,6 +16,7 @@ from tinker_api import futures
 from tinker_api.services import sessions
 from tinker_api.worker.chat import ChatHandler
 from tinker_api.worker.handlers import TrainingHandlers
+from tinker_api.worker.meter import Meter, by_rows, by_size, each
 from tinker_api.worker.ordering import SeqOrder
 from tinker_api.worker.policies import Policies
 from tinker_api.worker.requests import Op, fitting
@@ -88,7 +89,13 @@ class ModelWorker:
     """Serves every model of one base model from one ``Engine``."""
 
     def __init__(
-        self, base: str, base_path: str, device: str, worker_id: str, node: str = ""
+        self,
+        base: str,
+        base_path: str,
+        device: str,
+        worker_id: str,
+        node: str = "",
+        gpus: int = 1,
     ) -> None:
         if device == "cpu":
             torch.set_num_threads(torch_threads())
@@ -104,6 +111,7 @@ class ModelWorker:
         self.chat = ChatHandler(base, self.engine, self.policies, self.samplers)
         self.samples: list[Op] = []
         self.chats: list[Op] = []
+        self.meter = Meter(base, gpus)
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -258,31 +266,47 @@ class ModelWorker:
             # One generation batch of as many requests as fit its row limit; the rest wait.
             taken = fitting(self.samples, sample_batch_rows(), at_least_one=True)
             batch, self.samples = self.samples[:taken], self.samples[taken:]
-            self.sampling.run(batch)
+            self._metered(batch, by_rows(batch), self.sampling.run, batch)
             progressed = True
         # One decode step of the chat batch per turn: what was read since joins it first.
         if self.chats:
             chats, self.chats = self.chats, []
+            self.meter.count(chats)
+            before = self.chat.row_teams()
+            started = time.perf_counter()
             self.chat.admit(chats)
+            # The prefill is the joining rows' (all of them, if nothing joined).
+            joined = self.chat.row_teams() - before
+            self.meter.charge(joined or self.chat.row_teams(), time.perf_counter() - started)
             progressed = True
         if self.chat.busy:
-            self.chat.step()
+            self._metered([], self.chat.row_teams(), self.chat.step)
             progressed = True
         ready = self.order.take_ready()
         for op in ready.singles:
-            self.training.run_single(op)
+            self._metered([op], each([op]), self.training.run_single, op)
             self.order.advance(op.model, op.seq + 1)
             progressed = True
         if ready.optims:
-            self.training.run_optims(ready.optims)
+            self._metered(ready.optims, each(ready.optims), self.training.run_optims, ready.optims)
             progressed = True
         for forward_only, ops in ready.fwdbwd.items():
             if ops:
-                self.training.run_fwdbwd(ops, forward_only)
+                self._metered(ops, by_size(ops), self.training.run_fwdbwd, ops, forward_only)
                 progressed = True
         if progressed:
             self.last_activity = time.monotonic()
+        self.meter.flush()
         return progressed
+
+    def _metered(self, ops: list[Op], shares: Any, run: Callable[..., None], *args: Any) -> None:
+        """``run(*args)``, its time charged to the teams of ``shares``."""
+        self.meter.count(ops)
+        started = time.perf_counter()
+        try:
+            run(*args)
+        finally:
+            self.meter.charge(shares, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- shutdown
 

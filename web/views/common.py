@@ -46,13 +46,21 @@ def usage_bars(team: Team) -> list[dict[str, Any]]:
     """The team's quota usage as progress bars (jobs list and team page)."""
     used = services.quota_usage(team)
     quota = Quota.objects.for_team(team)
+    served = used["serving_gpu_hours_this_month"]
+    shared = f"{served} h of it on the shared model workers (Tinker, /v1, samples)"
     bars = [
-        ("GPUs in use", used["gpus_in_use"], quota.max_gpus, ""),
-        ("Queued jobs", used["queued_jobs"], quota.max_queued_jobs, ""),
-        ("GPU-hours this month", used["gpu_hours_this_month"], quota.gpu_hours_per_month, " h"),
+        ("GPUs in use", used["gpus_in_use"], quota.max_gpus, "", ""),
+        ("Queued jobs", used["queued_jobs"], quota.max_queued_jobs, "", ""),
+        (
+            "GPU-hours this month",
+            used["gpu_hours_this_month"],
+            quota.gpu_hours_per_month,
+            " h",
+            shared if served else "",
+        ),
     ]
     out = []
-    for label, value, limit, unit in bars:
+    for label, value, limit, unit, note in bars:
         pct = 100.0 if limit <= 0 else min(100.0, 100.0 * float(value) / float(limit))
         out.append(
             {
@@ -60,6 +68,7 @@ def usage_bars(team: Team) -> list[dict[str, Any]]:
                 "value": value,
                 "limit": limit,
                 "unit": unit,
+                "note": note,
                 "percent": round(pct, 1),
                 "high": pct >= 90,
             }

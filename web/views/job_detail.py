@@ -15,6 +15,7 @@ from django.views.decorators.http import require_POST
 
 from jobs import artifacts, sampling
 from jobs.models import FINAL_STATES, BaseModel, Job, JobEvent, JobKind, JobMetric, JobState
+from jobs.quotas import BudgetSpent
 from web.forms import SampleForm
 
 from .common import team_job
@@ -231,6 +232,9 @@ def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
         except sampling.SamplerUnavailable as exc:
             box["sample_error"] = f"No model worker answered: {exc}."
             status = 503
+        except BudgetSpent as exc:
+            box["sample_error"] = f"Cannot sample: {exc}."
+            status = 403
     if request.htmx:  # type: ignore[attr-defined]
         response = render(request, "web/_sample.html", {"job": job, **box})
     else:
