@@ -47,6 +47,23 @@ def ensure_directory(directory: Path) -> None:
         raise UsageError(f"cannot create the directory {directory}: {_why(exc)}") from None
 
 
+@contextmanager
+def directory_for(directory: Path) -> Iterator[None]:
+    """``directory``, made if it is missing; if the block fails, the directories made here are
+    removed again while empty, so a failed download leaves no trace."""
+    made = [p for p in (directory, *directory.parents) if not (p.is_symlink() or p.exists())]
+    ensure_directory(directory)
+    try:
+        yield
+    except BaseException:
+        for path in made:  # innermost first
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+
+
 def check_free(target: Path, overwrite: bool) -> None:
     """Refuse a target that exists, unless ``overwrite`` and it is a plain file (a device, a
     FIFO or a directory is never replaced: os.replace would swap it out from under its users)."""
@@ -64,23 +81,23 @@ def check_free(target: Path, overwrite: bool) -> None:
 def new_file(target: Path, *, overwrite: bool) -> Iterator[IO[bytes]]:
     """An open temporary file beside ``target``, renamed onto it when the block succeeds."""
     check_free(target, overwrite)
-    ensure_directory(target.parent)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-    except OSError as exc:
-        raise UsageError(f"cannot write {target}: {_why(exc)}") from None
-    try:
+    with directory_for(target.parent):
         try:
-            with os.fdopen(fd, "wb") as handle:
-                yield handle
-            # mkstemp makes 0600; a download gets the mode any new file of the user gets.
-            os.chmod(tmp, 0o666 & ~_umask())
-            _publish(Path(tmp), target, overwrite)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
         except OSError as exc:
             raise UsageError(f"cannot write {target}: {_why(exc)}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    yield handle
+                # mkstemp makes 0600; a download gets the mode any new file of the user gets.
+                os.chmod(tmp, 0o666 & ~_umask())
+                _publish(Path(tmp), target, overwrite)
+            except OSError as exc:
+                raise UsageError(f"cannot write {target}: {_why(exc)}") from None
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
@@ -103,12 +120,12 @@ def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
 @contextmanager
 def scratch_file(directory: Path) -> Iterator[IO[bytes]]:
     """A temporary file in ``directory`` (for an archive to unpack), removed afterwards."""
-    ensure_directory(directory)
-    try:
-        with tempfile.TemporaryFile(dir=directory) as handle:
-            yield handle
-    except OSError as exc:
-        raise UsageError(f"cannot write into {directory}: {_why(exc)}") from None
+    with directory_for(directory):
+        try:
+            with tempfile.TemporaryFile(dir=directory) as handle:
+                yield handle
+        except OSError as exc:
+            raise UsageError(f"cannot write into {directory}: {_why(exc)}") from None
 
 
 def check_directory_free(out: Path, overwrite: bool) -> None:

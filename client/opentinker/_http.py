@@ -8,6 +8,7 @@ any call, since the request never reached the server.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,14 @@ import httpx
 
 from . import __version__
 from .config import redact
-from .errors import ConfigError, NetworkError, UnexpectedResponse, error_from_response, not_json
+from .errors import (
+    ConfigError,
+    NetworkError,
+    UnexpectedResponse,
+    error_from_response,
+    not_json,
+    summarise,
+)
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -73,6 +81,8 @@ class Transport:
                 retry, error = True, exc
             except httpx.TransportError as exc:
                 retry, error = idempotent, exc
+            except httpx.DecodingError as exc:
+                raise UnexpectedResponse(undecodable(method, path, exc)) from None
             else:
                 retry_status = idempotent and response.status_code in RETRY_STATUSES
                 if retry_status and attempt < self.retries:
@@ -81,7 +91,12 @@ class Transport:
                     continue
                 return response
             if not retry or attempt >= self.retries:
-                raise NetworkError(self._redacted(f"{method} {self.url}{path}: {error}")) from error
+                message = f"{method} {self.url}{path}: {error}"
+                never_sent = isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
+                if not (idempotent or never_sent):
+                    # Sent, maybe acted on, answer lost: a submit repeated blindly runs twice.
+                    message += " (the server may have acted on it: check before sending it again)"
+                raise NetworkError(self._redacted(message)) from error
             time.sleep(self._delay(attempt))
             attempt += 1
 
@@ -141,29 +156,32 @@ class Transport:
 
     def paginate(self, path: str, params: dict[str, Any] | None = None) -> Iterator[Any]:
         """Every item of a cursor-paginated list (``{"next", "results"}``) or a plain list."""
-        url: str | None = path
-        while url:
-            body = self.get(url, params=params)
-            params = None  # the next URL carries the query
+        query: Any = params
+        seen: set[str] = set()
+        while True:
+            body = self.get(path, params=query)
             if isinstance(body, list):
                 yield from body
                 return
-            if not isinstance(body, dict) or not isinstance(body.get("results", []), list):
-                raise UnexpectedResponse(
-                    f"unexpected response from the server (GET {path}: not a list or a page)"
-                )
-            yield from body.get("results", [])
-            url = body.get("next")
+            page = self._page(body, path)
+            yield from page["results"]
+            if not page.get("next"):
+                return
+            query = next_query(page["next"], path, seen)
 
-    def page(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    def page(self, path: str, params: Any = None) -> dict[str, Any]:
         body = self.get(path, params=params)
         if isinstance(body, list):
             return {"results": body, "next": None}
+        return self._page(body, path)
+
+    @staticmethod
+    def _page(body: Any, path: str) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("results", []), list):
             raise UnexpectedResponse(
                 f"unexpected response from the server (GET {path}: not a list or a page)"
             )
-        return body
+        return {"results": [], **body}
 
     @contextmanager
     def stream(self, path: str, headers: dict[str, str] | None = None) -> Iterator[httpx.Response]:
@@ -172,16 +190,68 @@ class Transport:
         while True:
             try:
                 with self._http.stream("GET", path, headers=headers) as response:
-                    if not response.is_success:
-                        response.read()
-                        self._check(response)
-                    yield response
-                    return
+                    if response.status_code not in RETRY_STATUSES or attempt >= self.retries:
+                        if not response.is_success:
+                            response.read()
+                            self._check(response)
+                        yield response
+                        return
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if attempt >= self.retries:
-                    raise NetworkError(f"GET {self.url}{path}: {exc}") from exc
-                time.sleep(self._delay(attempt))
-                attempt += 1
+                    raise NetworkError(self._redacted(f"GET {self.url}{path}: {exc}")) from exc
+            time.sleep(self._delay(attempt))
+            attempt += 1
+
+
+def next_query(link: Any, path: str, seen: set[str]) -> httpx.QueryParams:
+    """The query (the cursor) of a page's ``next`` link, the only part of it used: its scheme
+    and host are what the server thinks it is called, which behind a proxy can be another
+    origin, and the key is never sent anywhere but ``--url``. A link seen before would read
+    the same pages for ever."""
+    try:
+        query = httpx.URL(link).params if isinstance(link, str) else None
+    except httpx.InvalidURL:
+        query = None
+    if query is None:
+        raise UnexpectedResponse(
+            f"unexpected response from the server (GET {path}: a next link {link!r})"
+        )
+    if str(query) in seen:
+        raise UnexpectedResponse(
+            f"unexpected response from the server (GET {path}: the next page is one already "
+            f"read, {link!r})"
+        )
+    seen.add(str(query))
+    return query
+
+
+def undecodable(method: str, path: str, exc: Exception) -> str:
+    return (
+        f"unexpected response from the server ({method} {path}: the body is not in the "
+        f"encoding its Content-Encoding names: {exc})"
+    )
+
+
+def _check_download(response: httpx.Response, path: str, written: int) -> int | None:
+    """The file's size if the response says it; refuse what is not (a piece of) the file."""
+    where = f"unexpected response from the server (GET {path}: HTTP {response.status_code}"
+    if response.headers.get("content-type", "").split(";")[0].strip() == "text/html":
+        # The server never sends a file as HTML: a proxy's login or error page.
+        response.read()
+        raise UnexpectedResponse(
+            f"{where}, an HTML page instead of the file: is --url the service's root? "
+            f"{summarise(response.text)!r})"
+        )
+    if response.status_code != 206:
+        return None
+    found = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", response.headers.get("content-range", ""))
+    if found is None or int(found[1]) != written:
+        # Appended at the wrong offset, the bytes would make a corrupt file.
+        raise UnexpectedResponse(
+            f"{where}, asked for the bytes from {written}, got "
+            f"{response.headers.get('content-range', 'no Content-Range')!r})"
+        )
+    return None if found[2] == "*" else int(found[2])
 
 
 def fetch_resuming(http: Transport, path: str, out: IO[bytes]) -> None:
@@ -195,6 +265,7 @@ def fetch_resuming(http: Transport, path: str, out: IO[bytes]) -> None:
         headers = {"Range": f"bytes={written}-", "If-Range": validator} if written else None
         try:
             with http.stream(path, headers=headers) as response:
+                size = _check_download(response, path, written)
                 if response.status_code != 206:
                     out.seek(0)
                     out.truncate()
@@ -204,11 +275,21 @@ def fetch_resuming(http: Transport, path: str, out: IO[bytes]) -> None:
                 for chunk in response.iter_bytes(1 << 16):
                     out.write(chunk)
                     written += len(chunk)
+            if size is not None and written != size:
+                raise UnexpectedResponse(
+                    f"unexpected response from the server (GET {path}: the range sent ends "
+                    f"at byte {written} of {size})"
+                )
             return
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
-            if not validator or attempt >= http.retries:
-                raise NetworkError(
-                    http._redacted(f"GET {http.url}{path}: broke off after {written} bytes: {exc}")
-                ) from exc
+            # Nothing written yet (a server slow to answer, making a model's zip): asking again
+            # loses nothing. Past that, only the rest of the same file may be appended.
+            if (written and not validator) or attempt >= http.retries:
+                broke = f"broke off after {written} bytes: " if written else ""
+                raise NetworkError(http._redacted(f"GET {http.url}{path}: {broke}{exc}")) from exc
             time.sleep(http._delay(attempt))
             attempt += 1
+        except httpx.DecodingError as exc:
+            raise UnexpectedResponse(undecodable("GET", path, exc)) from None
+        except httpx.TransportError as exc:
+            raise NetworkError(http._redacted(f"GET {http.url}{path}: {exc}")) from exc

@@ -42,6 +42,9 @@ def handles_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except OpenTinkerError as exc:
             report(exc)
             raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted", highlight=False)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
 

@@ -20,7 +20,7 @@ from rich.table import Table
 from . import __version__, config
 from ._output import dump, err, handles_errors, job_line, keeps_running, out, print_table
 from .client import Client, Job
-from .errors import EXIT_JOB_FAILED, EXIT_OK, SpecError, UsageError
+from .errors import EXIT_JOB_FAILED, SpecError, UsageError
 from .spec import apply_overrides, check_spec, load_yaml, shipped_schema
 
 EPILOG = (
@@ -75,6 +75,17 @@ def main_options(
     ctx.obj = {"url": url, "api_key": api_key}
 
 
+def _ask(what: str, option: str, *, secret: bool = False) -> str:
+    try:
+        return str(typer.prompt(what[0].upper() + what[1:], hide_input=secret))
+    except typer.Abort as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        # End of input: run from a script with nothing to read. The prompt has no newline.
+        err.print()
+        raise UsageError(f"no {what} given: pass {option}") from None
+
+
 @app.command()
 @handles_errors
 def login(
@@ -84,8 +95,8 @@ def login(
 ) -> None:
     """Check a server URL and API key, then save them (mode 0600) for later commands."""
     opts = ctx.find_root().obj or {}
-    url = url or opts.get("url") or typer.prompt("Server URL")
-    api_key = api_key or opts.get("api_key") or typer.prompt("API key", hide_input=True)
+    url = url or opts.get("url") or _ask("server URL", "--url")
+    api_key = api_key or opts.get("api_key") or _ask("API key", "--api-key", secret=True)
     # Checked and stripped of stray whitespace first: what is saved is what was tried.
     settings = config.resolve(url, api_key)
     with Client(settings.url, settings.api_key) as client:
@@ -277,6 +288,10 @@ def metrics(
             return
         table = Table("metric", "steps", "last step", "last value")
         for key, points in sorted(series.series.items()):
+            if not points:
+                # A metric asked for by --name that has no points yet.
+                table.add_row(key, "0", "", "")
+                continue
             table.add_row(key, str(len(points)), str(int(points[-1][0])), f"{points[-1][1]:.6g}")
         print_table(table)
 
@@ -486,9 +501,4 @@ def keys_revoke(ctx: typer.Context, key_id: int, as_json: JsonOpt = False) -> No
 
 
 def main() -> None:
-    try:
-        app(prog_name="opentinker")
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
-    sys.exit(EXIT_OK)
+    app(prog_name="opentinker")

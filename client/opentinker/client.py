@@ -20,7 +20,7 @@ import httpx
 import pydantic
 
 from . import _files, config
-from ._http import Transport, fetch_resuming
+from ._http import Transport, fetch_resuming, next_query
 from .errors import (
     Conflict,
     JobFailed,
@@ -148,18 +148,20 @@ class Job:
         """The event log, oldest first; with ``follow``, new events until the job ends."""
         http = self._client._http
         url = f"{self._path}/events"
+        query: Any = None
         seen: set[int] = set()
+        links: set[str] = set()
         while True:
             # Read the state before the page, so the events of the final transition are in it.
             final = (not follow) or self.refresh().is_final
-            page = http.page(url)
-            for raw in page.get("results", []):
+            page = http.page(url, query)
+            for raw in page["results"]:
                 event = _parse(JobEvent, raw)
                 if event.id not in seen:
                     seen.add(event.id)
                     yield event
             if page.get("next"):
-                url = page["next"]
+                query = next_query(page["next"], url, links)
                 continue
             if final:
                 return

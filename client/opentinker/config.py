@@ -43,6 +43,9 @@ class Settings:
 def load_file(path: Path | None = None) -> Settings:
     """The saved settings, or empty ones when there is no file."""
     path = path or config_path()
+    if path.is_dir():
+        # Not "no file": that would send the user to `opentinker login`, which cannot save it.
+        raise ConfigError(f"cannot read the config file {path}: it is a directory")
     if not path.is_file():
         return Settings()
     try:

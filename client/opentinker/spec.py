@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,20 +32,62 @@ def shipped_schema() -> Schema:
 
 def schema_from_openapi(document: dict[str, Any]) -> Schema | None:
     """The JobSpec schema inside an OpenAPI document, with its ``$defs`` in reach."""
-    components = (document.get("components") or {}).get("schemas") or {}
-    spec = components.get("JobSpec")
-    if not isinstance(spec, dict):
+    # A document of another shape (not this service's) means the shipped schema, not a crash.
+    components = document.get("components")
+    schemas = components.get("schemas") if isinstance(components, dict) else None
+    if not isinstance(schemas, dict):
+        return None
+    spec = schemas.get("JobSpec")
+    if not isinstance(spec, dict) or not isinstance(spec.get("$defs", {}), dict):
         return None
     spec = copy.deepcopy(spec)
     spec.setdefault("$defs", {}).update(
-        {k: v for k, v in components.items() if k != "JobSpec" and isinstance(v, dict)}
+        {k: v for k, v in schemas.items() if k != "JobSpec" and isinstance(v, dict)}
     )
     return spec
 
 
+class _JsonLoader(yaml.SafeLoader):
+    """YAML read as the JSON it is sent as: a date stays the text it was written as (JSON has
+    no dates, and ``dataset: 2024-05-01`` names a dataset)."""
+
+
+_JsonLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _load(text: str) -> Any:
+    return yaml.load(text, Loader=_JsonLoader)
+
+
+def json_problem(value: Any, where: str = "") -> tuple[str, str] | None:
+    """The field of ``value`` that JSON cannot carry (a number as a key, ``.nan``, a
+    ``!!binary`` value) and why; None when it is all JSON."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{where}.{key}" if where else str(key)
+            if not isinstance(key, str):
+                return here, "a key must be text (quote it)"
+            found = json_problem(item, here)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = json_problem(item, f"{where}[{i}]")
+            if found:
+                return found
+    elif isinstance(value, float) and not math.isfinite(value):
+        return where, f"{value} is not a number JSON can carry"
+    elif value is not None and not isinstance(value, (str, int, float)):
+        return where, f"a YAML {type(value).__name__} value is not JSON data"
+    return None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = _load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
@@ -149,7 +192,7 @@ def _check_one(value: Any, schema: Schema, root: Schema) -> str | None:
     if kinds is not None:
         kinds = kinds if isinstance(kinds, list) else [kinds]
         if not any(_type_ok(value, k) for k in kinds):
-            return f"expected {_describe(schema)}, got {json.dumps(value)}"
+            return f"expected {_describe(schema)}, got {json.dumps(value, default=str)}"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         for key, ok, word in (
             ("minimum", lambda v, b: v >= b, ">="),
@@ -256,10 +299,7 @@ def parse_override(text: str) -> tuple[list[str], str]:
 
 def _typed(raw: str, schema: Schema, root: Schema, key: str) -> Any:
     """The YAML reading of ``raw`` if it fits, else the raw text where a string fits."""
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+    value = _yaml(raw)
     reason = check_value(value, schema, root)
     if reason is None:
         return value
@@ -312,7 +352,14 @@ def apply_overrides(
                 )
             node = child if options else None
             if depth == len(parts) - 1:
-                target[part] = _typed(raw, node, root, key) if node is not None else _yaml(raw)
+                value = _typed(raw, node, root, key) if node is not None else _yaml(raw)
+                problem = json_problem(value, key)
+                if problem:
+                    raise SpecError(
+                        f"bad value for {problem[0]}: {problem[1]}",
+                        errors=[{"field": problem[0], "reason": problem[1]}],
+                    )
+                target[part] = value
             else:
                 existing = target.get(part)
                 if existing is None:
@@ -325,7 +372,7 @@ def apply_overrides(
 
 def _yaml(raw: str) -> Any:
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
+        return _load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
 
@@ -335,6 +382,10 @@ def check_spec(spec: dict[str, Any], schema: Schema | None = None) -> list[dict[
     root = schema if schema is not None else shipped_schema()
     errors = []
     for key, value in spec.items():
+        problem = json_problem({key: value})
+        if problem:
+            errors.append({"field": problem[0], "reason": problem[1]})
+            continue
         sub = _child(root, key, root)
         if sub is None:
             errors.append({"field": key, "reason": "unknown key" + _suggest_path([key], root)})

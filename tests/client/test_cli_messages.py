@@ -17,7 +17,7 @@ import pytest
 from opentinker import Client, UsageError, __version__
 from opentinker.errors import UnexpectedResponse, WaitTimeout
 from tests.client.conftest import CLIENT_SRC
-from tests.client.fakes import JOB_ID, FakeApi, dataset, job
+from tests.client.fakes import JOB_ID, FakeApi, Reply, dataset, job
 
 BASE = f"/api/v1/jobs/{JOB_ID}"
 Cli = Callable[..., Any]
@@ -235,3 +235,63 @@ def test_datasets_delete_by_name_ref_or_id(fake_api: FakeApi, cli: Cli) -> None:
 def test_it_prints_its_version(cli: Cli) -> None:
     result = cli("--version")
     assert result.exit_code == 0 and result.stdout.strip() == f"opentinker {__version__}"
+
+
+def test_metrics_shows_a_metric_with_no_points_yet(fake_api: FakeApi, cli: Cli) -> None:
+    series = {"series": {"loss": [], "reward/mean": [[1, 0.5], [2, 0.75]]}}
+    fake_api.reply(f"GET {BASE}", 200, job("RUNNING"))
+    fake_api.reply(f"GET {BASE}/metrics", 200, series)
+    result = cli("metrics", JOB_ID, "--name", "loss", "--name", "reward/mean", env=fake_api.env)
+    assert result.exit_code == 0, result.stderr
+    cells = {
+        row[0]: row[1:]
+        for line in result.stdout.splitlines()
+        if (row := [cell.strip() for cell in line.split("\u2502")[1:-1]])
+    }
+    assert cells["loss"] == ["0", "", ""]
+    assert cells["reward/mean"] == ["2", "2", "0.75"]
+
+
+def test_login_with_nothing_to_read_names_the_missing_option(fake_api: FakeApi, cli: Cli) -> None:
+    no_url = cli("login", input="")
+    assert no_url.exit_code == 2
+    assert no_url.stderr.strip() == "error: no server URL given: pass --url"
+    no_key = cli("login", "--url", fake_api.url, input="")
+    assert no_key.exit_code == 2
+    assert no_key.stderr.strip().endswith("error: no API key given: pass --api-key")
+    assert fake_api.hits == []
+
+
+@pytest.mark.parametrize(
+    "document",
+    [{"components": ["schemas"]}, {"components": {"schemas": {"JobSpec": {"$defs": []}}}}, [1]],
+)
+def test_a_schema_document_of_another_shape_falls_back_to_the_shipped_one(
+    running: FakeApi, cli: Cli, spec_file: Path, document: Any
+) -> None:
+    running.reply("GET /api/schema/", 200, document)
+    result = cli("submit", str(spec_file), env=running.env)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == JOB_ID
+
+
+def test_ctrl_c_during_any_command_says_so_with_exit_130(fake_api: FakeApi) -> None:
+    def slow() -> Reply:
+        time.sleep(5)
+        return Reply(200, {"username": "olivia", "teams": []})
+
+    fake_api.replies["GET /api/v1/me"] = slow
+    process = subprocess.Popen(
+        [sys.executable, "-m", "opentinker", "whoami"],
+        env={**os.environ, **fake_api.env, "PYTHONPATH": str(CLIENT_SRC)},
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.monotonic() + 30
+    while fake_api.count("GET /api/v1/me") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130
+    assert stderr.strip() == "interrupted"

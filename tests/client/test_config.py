@@ -175,3 +175,14 @@ def test_the_transport_never_puts_the_key_in_an_error(fake_api: FakeApi) -> None
         transport.get("/api/v1/me")
     assert SECRET not in str(info.value)
     assert fake_api.hits == []
+
+
+def test_a_config_path_that_is_a_directory_is_named(
+    client_config: Path, cli: Callable[..., Any]
+) -> None:
+    client_config.mkdir(parents=True)
+    result = cli("whoami")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"error: cannot read the config file {client_config}: it is a directory"
+    )

@@ -4,21 +4,26 @@ is one line naming it (exit 2), with no temporary file left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from opentinker import Client, UsageError
+from opentinker.errors import UnexpectedResponse
 from tests.client.conftest import CLIENT_SRC
-from tests.client.fakes import JOB_ID, FakeApi, job, zipped
+from tests.client.fakes import JOB_ID, FakeApi, Reply, job, zipped
 
 BASE = f"/api/v1/jobs/{JOB_ID}"
 ADAPTER = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"W" * 4096}
@@ -187,3 +192,114 @@ def test_names_cannot_walk_out_of_the_job(api: FakeApi, cli: Callable[..., Any])
         with pytest.raises(Exception, match="Not found"):
             client.datasets.get("a/b")
     assert api.hits[-1] == "GET /api/v1/datasets/a%2Fb"
+
+
+def test_a_page_in_place_of_the_file_is_refused_and_leaves_nothing(
+    api: FakeApi, cli: Callable[..., Any], tmp_path: Path
+) -> None:
+    # A login page of a proxy in front of the server, with a success status.
+    api.reply(f"GET {BASE}/artifacts/summary.json", 200, "<html><h1>Sign in</h1></html>")
+    out = tmp_path / "new" / "dir"
+    result = cli("download", JOB_ID, "--artifact", "summary.json", "-o", f"{out}/", env=api.env)
+    assert result.exit_code == 5
+    assert result.stderr.strip() == (
+        f"error: unexpected response from the server (GET {BASE}/artifacts/summary.json: "
+        "HTTP 200, an HTML page instead of the file: is --url the service's root? 'Sign in')"
+    )
+    # Not even the directories made for it are left.
+    assert list(tmp_path.iterdir()) == []
+
+    api.reply(f"GET {BASE}/artifacts/adapter", 200, b"x" * 100, content_encoding="gzip")
+    broken = cli("download", JOB_ID, "-o", f"{out}/", env=api.env)
+    assert broken.exit_code == 5 and "Content-Encoding" in broken.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_slow_or_restarting_server_is_asked_again(api: FakeApi, tmp_path: Path) -> None:
+    def slow() -> Reply:
+        time.sleep(1)  # e.g. making the zip of a big model before the first byte
+        return Reply(200, b"STATE-2")
+
+    answers = iter(
+        [slow, lambda: Reply(503, {"detail": "restarting"}), lambda: Reply(200, b"STATE-2")]
+    )
+    api.replies[f"GET {BASE}/checkpoints/step-000002"] = lambda: next(answers)()
+    with Client(api.url, "otk_k", retries=2, timeout=0.3) as client:
+        client._http.backoff = 0.01
+        saved = client.jobs.get(JOB_ID).download("step-000002", tmp_path / "s.pt")
+    assert saved.read_bytes() == b"STATE-2"
+    assert api.count(f"GET {BASE}/checkpoints/step-000002") == 3
+
+
+BLOB = bytes(range(256)) * 800  # 204800 bytes
+
+
+class Ranges(BaseHTTPRequestHandler):
+    """The job, then a checkpoint cut off after 100000 bytes, then ``second`` (a Content-Range
+    and the bytes it says) for the request that asks for the rest."""
+
+    protocol_version = "HTTP/1.1"
+    second: tuple[str, bytes] = ("", b"")
+    requests: list[str] = []
+
+    def do_GET(self) -> None:
+        Ranges.requests.append(self.headers.get("Range") or "")
+        if self.path == BASE:
+            data = json.dumps(job("SUCCEEDED")).encode()
+            self._head(200, len(data), {"Content-Type": "application/json"})
+            self.wfile.write(data)
+        elif len(Ranges.requests) == 2:
+            self._head(200, len(BLOB), {"ETag": '"v1"'})
+            self.wfile.write(BLOB[:100_000])
+        else:
+            content_range, data = Ranges.second
+            self._head(206, len(data), {"ETag": '"v1"', "Content-Range": content_range})
+            self.wfile.write(data)
+        self.close_connection = True
+
+    def _head(self, status: int, length: int, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in {**headers, "Accept-Ranges": "bytes"}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("content_range", "data", "message"),
+    [
+        # The whole file labelled as a range: appended, it would make a corrupt file.
+        (
+            f"bytes 0-{len(BLOB) - 1}/{len(BLOB)}",
+            BLOB,
+            f"asked for the bytes from 65536, got 'bytes 0-{len(BLOB) - 1}/{len(BLOB)}'",
+        ),
+        # Less than the rest: a short file reported as a success.
+        (
+            f"bytes 65536-99999/{len(BLOB)}",
+            BLOB[65536:100_000],
+            f"the range sent ends at byte 100000 of {len(BLOB)}",
+        ),
+    ],
+)
+def test_a_resumed_download_takes_only_the_rest_of_the_file(
+    client_config: Path, tmp_path: Path, content_range: str, data: bytes, message: str
+) -> None:
+    Ranges.second, Ranges.requests = (content_range, data), []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ranges)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with Client(f"http://127.0.0.1:{server.server_address[1]}", "otk_k", retries=1) as client:
+            client._http.backoff = 0.01
+            with pytest.raises(UnexpectedResponse) as info:
+                client.jobs.get(JOB_ID).download("step-000002", tmp_path / "s.pt")
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Resumed where the first answer broke off (at a whole 64 KiB read).
+    assert Ranges.requests == ["", "", "bytes=65536-"]
+    assert message in str(info.value)
+    assert list(tmp_path.iterdir()) == []

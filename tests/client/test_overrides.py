@@ -3,7 +3,9 @@ and the server's own validation of what they produce."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +125,45 @@ def test_the_shipped_schema_is_a_json_schema_of_the_jobspec() -> None:
     assert schema["title"] == "JobSpec"
     assert schema["additionalProperties"] is False
     assert {"method", "rollout", "lora", "optimizer"} <= set(schema["properties"])
+
+
+def test_a_spec_is_read_as_json_data_dates_as_text(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    # YAML reads 2024-05-01 as a date, which json (and so the request) could not encode.
+    dated = tmp_path / "dated.yaml"
+    dated.write_text("method: rl\nenv: math\ndataset: 2024-05-01\nenv_config: {t: 2024-05-01}\n")
+    spec = load_yaml(dated)
+    assert spec["dataset"] == "2024-05-01" and spec["env_config"] == {"t": "2024-05-01"}
+    assert check_spec(spec) == []
+    assert apply_overrides(RL, ["dataset=2024-06-01"])["dataset"] == "2024-06-01"
+    printed = cli("submit", str(dated), "env_config.when=2024-06-01", "--dry-run")
+    assert printed.exit_code == 0, printed.stderr
+    assert printed.json()["env_config"] == {"t": "2024-05-01", "when": "2024-06-01"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1: x\n", "1: a key must be text (quote it)"),
+        ("rollout: {1: 2}\n", "rollout.1: a key must be text (quote it)"),
+        ("env_config: {t: [1, .nan]}\n", "env_config.t[1]: nan is not a number JSON can carry"),
+        ("env_config: {t: .inf}\n", "env_config.t: inf is not a number JSON can carry"),
+        ("dataset: !!binary aGVsbG8=\n", "dataset: a YAML bytes value is not JSON data"),
+    ],
+)
+def test_what_json_cannot_carry_is_one_line_naming_the_field(
+    tmp_path: Path, cli: Callable[..., Any], text: str, message: str
+) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text("method: rl\n" + text)
+    result = cli("submit", str(path), "--dry-run")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {path}: {message}"
+
+
+def test_an_override_json_cannot_carry_is_refused() -> None:
+    with pytest.raises(SpecError) as info:
+        apply_overrides(RL, ["env_config.x=.nan"])
+    assert str(info.value) == "bad value for env_config.x: nan is not a number JSON can carry"
+    assert info.value.errors == [
+        {"field": "env_config.x", "reason": "nan is not a number JSON can carry"}
+    ]

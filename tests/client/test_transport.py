@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -19,8 +20,10 @@ from opentinker.errors import (
     NotFound,
     QuotaError,
     ServerError,
+    UnexpectedResponse,
     ValidationError,
 )
+from tests.client.fakes import FakeApi, Reply, dataset, job
 
 
 class Flaky:
@@ -167,3 +170,61 @@ def test_it_turns_error_bodies_into_typed_exceptions(
     if cls is QuotaError:
         assert error.quota == body["quota"] and error.limit == body["limit"]
         assert error.retryable is (status == 429)
+
+
+def test_a_body_that_does_not_decode_is_an_unexpected_response(fake_api: FakeApi) -> None:
+    # A proxy that labels a plain body gzip: one line, not httpx's traceback.
+    fake_api.reply("GET /api/v1/me", 200, b"not gzip at all", content_encoding="gzip")
+    with (
+        Client(fake_api.url, "otk_k", retries=0) as client,
+        pytest.raises(UnexpectedResponse) as info,
+    ):
+        client.me()
+    assert str(info.value) == (
+        "unexpected response from the server (GET /api/v1/me: the body is not in the encoding "
+        "its Content-Encoding names: Error -3 while decompressing data: incorrect header check)"
+    )
+
+
+def test_a_submit_that_timed_out_says_it_may_have_been_made(fake_api: FakeApi) -> None:
+    def slow() -> Reply:
+        time.sleep(1)
+        return Reply(201, job("QUEUED"))
+
+    fake_api.replies["POST /api/v1/jobs"] = slow
+    fake_api.replies["GET /api/v1/me"] = slow
+    with Client(fake_api.url, "otk_k", timeout=0.2, retries=0) as client:
+        with pytest.raises(NetworkError) as submit:
+            client.jobs.submit({"method": "smoke"})
+        with pytest.raises(NetworkError) as read:
+            client.me()
+    assert str(submit.value).endswith(
+        "timed out (the server may have acted on it: check before sending it again)"
+    )
+    assert str(read.value).endswith("/api/v1/me: timed out")
+    assert fake_api.count("POST /api/v1/jobs") == 1
+
+
+def test_pages_are_read_from_the_configured_server_only_once(fake_api: FakeApi) -> None:
+    first, second = dataset("a"), dataset("b")
+    # Behind a proxy the server may name itself by another host: only the cursor is taken.
+    fake_api.reply(
+        "GET /api/v1/datasets",
+        200,
+        {"results": [first], "next": "http://10.0.0.7:8000/api/v1/datasets?cursor=c2&env=math"},
+    )
+    fake_api.reply("GET /api/v1/datasets?cursor=c2&env=math", 200, {"results": [second]})
+    with Client(fake_api.url, "otk_k", retries=0) as client:
+        assert [d.name for d in client.datasets.list(env="math")] == ["a", "b"]
+        assert fake_api.hits == [
+            "GET /api/v1/datasets?env=math",
+            "GET /api/v1/datasets?cursor=c2&env=math",
+        ]
+        # A next link back to a page already read would list for ever.
+        fake_api.reply(
+            "GET /api/v1/datasets?cursor=c2&env=math",
+            200,
+            {"results": [second], "next": "/api/v1/datasets?cursor=c2&env=math"},
+        )
+        with pytest.raises(UnexpectedResponse, match="the next page is one already read"):
+            client.datasets.list(env="math")
