@@ -137,6 +137,31 @@ def sdk_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def worker_env() -> dict[str, str]:
+    """Settings the worker of ``live_tinker`` starts with beyond ``sdk_worker_env``'s; a test
+    module overrides this fixture to add its own."""
+    return {}
+
+
+@pytest.fixture
+def live_tinker(
+    live_server: Any,
+    tinker_base: Any,
+    start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tinker_data_dir: Path,
+    worker_env: dict[str, str],
+) -> str:
+    """The live server's root URL (no trailing slash), with a real Celery worker serving the
+    ``gpu`` queue, whose model worker serves the tiny base model (``BASE_NAME``)."""
+    sdk_worker_env(monkeypatch)
+    for name, value in worker_env.items():
+        monkeypatch.setenv(name, value)
+    start_worker()
+    return str(live_server.url)
+
+
+@pytest.fixture
 def clean_tinker_keys(redis_client: Any) -> Iterator[None]:
     """No Tinker futures, streams or registrations left from another test, before or after."""
     from tinker_api import futures

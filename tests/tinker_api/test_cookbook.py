@@ -23,7 +23,7 @@ import json
 import math
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 
-from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
+from tests.tinker_api.conftest import BASE_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,25 +54,18 @@ RENDERER = "qwen3_instruct"
 
 
 @pytest.fixture
-def server(
-    live_server: Any,
-    tinker_base: Any,
-    start_worker: Callable[..., Any],
-    monkeypatch: pytest.MonkeyPatch,
-    tinker_data_dir: Path,
-    owner_key: tuple[Any, str],
-    base_model_dir: Path,
-) -> Iterator[str]:
-    """The live server's URL; the SDK finds it and the key in the environment, as a user's
-    script would (``TINKER_BASE_URL``, ``TINKER_API_KEY``)."""
+def worker_env(owner_key: tuple[Any, str], live_server: Any) -> dict[str, str]:
+    """The SDK finds the server and the key in the environment, as a user's script would."""
+    return {"TINKER_API_KEY": "tml-" + owner_key[1], "TINKER_BASE_URL": live_server.url + "/"}
+
+
+@pytest.fixture
+def server(live_tinker: str, base_model_dir: Path) -> str:
+    """The live server's URL, its tokenizer registered with the cookbook."""
     from transformers import AutoTokenizer
 
-    sdk_worker_env(monkeypatch)
-    monkeypatch.setenv("TINKER_API_KEY", "tml-" + owner_key[1])
-    monkeypatch.setenv("TINKER_BASE_URL", live_server.url + "/")
     register_tokenizer(BASE_NAME, lambda: AutoTokenizer.from_pretrained(str(base_model_dir)))
-    start_worker()
-    return live_server.url + "/"
+    return live_tinker + "/"
 
 
 def _rows(kind: str | None = None, limit: int = 400) -> list[dict[str, str]]:

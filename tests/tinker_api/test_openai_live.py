@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import openai
 import pytest
 
 from tests.fixtures.workers import wait_for
-from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
+from tests.tinker_api.conftest import BASE_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,18 +26,9 @@ QUESTION = [{"role": "user", "content": "What is 12+7?"}]
 
 
 @pytest.fixture
-def server(
-    live_server: Any,
-    tinker_base: Any,
-    start_worker: Callable[..., Any],
-    monkeypatch: pytest.MonkeyPatch,
-    tinker_data_dir: Path,
-    clean_tinker_keys: None,
-) -> Iterator[str]:
+def server(live_tinker: str, clean_tinker_keys: None) -> str:
     """The OpenAI base URL of the live server, with a Celery worker serving the gpu queue."""
-    sdk_worker_env(monkeypatch)
-    start_worker()
-    return live_server.url + "/v1"
+    return live_tinker + "/v1"
 
 
 def client(url: str, key: str, **kwargs: Any) -> Any:

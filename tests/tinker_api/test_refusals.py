@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
+from tests.tinker_api.conftest import BASE_NAME
 from tinker_api import futures
 
 tinker = pytest.importorskip(
@@ -45,17 +45,13 @@ GAP_SECONDS = 3
 
 
 @pytest.fixture
-def server(
-    live_server: Any,
-    tinker_base: Any,
-    start_worker: Callable[..., Any],
-    monkeypatch: pytest.MonkeyPatch,
-    tinker_data_dir: Path,
-) -> str:
-    sdk_worker_env(monkeypatch)
-    monkeypatch.setenv("OPENTINKER_TINKER_SEQ_GAP_SECONDS", str(GAP_SECONDS))
-    start_worker()
-    return live_server.url + "/"
+def worker_env() -> dict[str, str]:
+    return {"OPENTINKER_TINKER_SEQ_GAP_SECONDS": str(GAP_SECONDS)}
+
+
+@pytest.fixture
+def server(live_tinker: str) -> str:
+    return live_tinker + "/"
 
 
 def plain_datum(tokens: list[int], targets: list[int] | None = None) -> types.Datum:

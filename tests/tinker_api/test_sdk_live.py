@@ -8,7 +8,7 @@ the worker starts on demand when the first request for the base model arrives.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +22,15 @@ tinker = pytest.importorskip(
 )
 from tinker import types
 
-from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
+from tests.tinker_api.conftest import BASE_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture
-def server(
-    live_server: Any,
-    tinker_base: Any,
-    start_worker: Callable[..., Any],
-    monkeypatch: pytest.MonkeyPatch,
-    tinker_data_dir: Path,
-) -> Iterator[str]:
+def server(live_tinker: str) -> str:
     """The live server's URL, with a real Celery worker serving the ``gpu`` queue."""
-    sdk_worker_env(monkeypatch)
-    start_worker()
-    return live_server.url + "/"
+    return live_tinker + "/"
 
 
 def service_client(url: str, plaintext_key: str) -> Any:

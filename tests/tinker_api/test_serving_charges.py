@@ -9,8 +9,6 @@ raising the quota lets the team on at once."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -19,7 +17,7 @@ import pytest
 from jobs.models import ServingCharge
 from jobs.quotas import USAGE_REUSE_SECONDS, gpu_seconds_this_month
 from tests.fixtures.workers import wait_for
-from tests.tinker_api.conftest import BASE_NAME, sdk_worker_env
+from tests.tinker_api.conftest import BASE_NAME
 
 tinker = pytest.importorskip(
     "tinker",
@@ -40,18 +38,14 @@ QUESTION = [{"role": "user", "content": "What is 12+7?"}]
 
 
 @pytest.fixture
-def server(
-    live_server: Any,
-    tinker_base: Any,
-    start_worker: Callable[..., Any],
-    monkeypatch: pytest.MonkeyPatch,
-    tinker_data_dir: Path,
-) -> str:
-    sdk_worker_env(monkeypatch)
+def worker_env() -> dict[str, str]:
     # Every step's charge reaches the database at once.
-    monkeypatch.setenv("OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS", "0")
-    start_worker()
-    return live_server.url
+    return {"OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS": "0"}
+
+
+@pytest.fixture
+def server(live_tinker: str) -> str:
+    return live_tinker
 
 
 def charged(team: Any) -> tuple[float, int]:
