@@ -74,6 +74,9 @@ class BudgetSpent(Exception):
 # the limit is read each time, so a raised quota lets the team on at once. The model workers
 # add their time every OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS, so the usage is that late anyway.
 USAGE_REUSE_SECONDS = 2.0
+# (team, month) -> (reusable until, GPU-seconds). Expired entries go once it holds this many,
+# so that a long-lived process does not keep every team's every month.
+USAGE_REUSE_ENTRIES = 1024
 _recent_usage: dict[tuple[int, date], tuple[float, float]] = {}
 
 
@@ -86,6 +89,8 @@ def check_month_budget(team_id: int, now: datetime | None = None) -> None:
     recent = _recent_usage.get(key)
     if now is not None or recent is None or recent[0] < time.monotonic():
         seconds = gpu_seconds_this_month(team_id, at)
+        if len(_recent_usage) >= USAGE_REUSE_ENTRIES:
+            _forget_expired_usage()
         _recent_usage[key] = (time.monotonic() + USAGE_REUSE_SECONDS, seconds)
     else:
         seconds = recent[1]
@@ -93,6 +98,17 @@ def check_month_budget(team_id: int, now: datetime | None = None) -> None:
     if used >= quota.gpu_hours_per_month:
         left = (_next_month(month_start(at)) - at).total_seconds()
         raise BudgetSpent(used, quota.gpu_hours_per_month, left)
+
+
+def _forget_expired_usage() -> None:
+    clock = time.monotonic()
+    # A copy first: another thread of the process may add to it meanwhile.
+    for key, (until, _seconds) in list(_recent_usage.items()):
+        if until < clock:
+            _recent_usage.pop(key, None)
+    if len(_recent_usage) >= USAGE_REUSE_ENTRIES:
+        # That many teams checked within the reuse period: count them all afresh.
+        _recent_usage.clear()
 
 
 def forget_recent_usage() -> None:

@@ -105,6 +105,14 @@ def claim_entries(base: str, worker_id: str, entries: list[tuple[Any, str]]) -> 
     return [bool(claimed) for claimed in pipe.execute()[:-1]]
 
 
+def teams_of(request_ids: list[str]) -> list[int | None]:
+    """The team of each of these futures (None: unknown), in one round trip."""
+    pipe = _r().pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.hget(f"{PREFIX}fut:{request_id}", "team")
+    return [int(_text(team)) if team else None for team in pipe.execute()]
+
+
 # Conditional: a future ends once (a worker and a poll that declares it lost may race). The
 # done marker is pushed in the same script, so a long poll wakes one round trip after the end.
 _FINISH = (

@@ -121,11 +121,14 @@ def _serve(
         outcome = f"failed: {exc}"
     finally:
         heartbeat.stop()
+        if worker is not None:
+            # The database's, first: a worker often ends because Redis is gone, and the calls
+            # below would then raise before its last charges were written.
+            worker.meter.flush(force=True)
         futures.unregister_worker(base, worker_id)
         futures.clear_epoch(worker_id)
         if worker is not None:
             worker.fail_everything(f"the model worker for {base} stopped ({outcome})")
-            worker.meter.flush(force=True)
         else:
             drain_failed(base, worker_id, f"the model worker for {base} could not start: {outcome}")
         table.release(lease)

@@ -9,12 +9,14 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.db import OperationalError
 from django.utils import timezone
 
 from jobs import quotas, services
 from jobs.charge_services import charge_serving
 from jobs.models import Job, JobState, ServingCharge
 from jobs.quotas import BudgetSpent, check_month_budget, month_start
+from tinker_api.worker import meter as meter_module
 from tinker_api.worker.meter import Meter, by_rows, by_size, each
 from tinker_api.worker.requests import Op
 
@@ -110,6 +112,59 @@ def test_a_batch_is_split_by_each_teams_share(team, other_team, settings):
     assert rows == {a: (pytest.approx(8.5), 2), b: (pytest.approx(1.5), 1)}
 
 
+def charges() -> dict[tuple[int, object], tuple[float, int]]:
+    return {
+        (r.team_id, r.month): (pytest.approx(r.gpu_seconds), r.requests)
+        for r in ServingCharge.objects.all()
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_flush_the_database_cut_short_writes_each_teams_charge_once(
+    team, other_team, monkeypatch
+):
+    meter = Meter("tiny", gpus=1)
+    a, b = team.pk, other_team.pk
+    meter.charge(each([op(a), op(b)]), 20.0)
+    meter.count([op(a), op(b)])
+    real = ServingCharge.objects.create
+    made: list[int] = []
+
+    def down_after_one(**fields):
+        if made:
+            raise OperationalError("server closed the connection unexpectedly")
+        made.append(fields["team_id"])
+        return real(**fields)
+
+    monkeypatch.setattr(ServingCharge.objects, "create", down_after_one)
+    meter.flush(force=True)
+    this = month_start().date()
+    assert charges() == {(made[0], this): (10.0, 1)}
+    monkeypatch.setattr(ServingCharge.objects, "create", real)
+    meter.flush(force=True)  # the database is back: the rest, and only the rest
+    assert charges() == {(a, this): (10.0, 1), (b, this): (10.0, 1)}
+    assert not meter.seconds and not meter.requests
+
+
+@pytest.mark.django_db(transaction=True)
+def test_time_charged_before_the_month_turned_is_written_to_that_month(team, monkeypatch):
+    this = month_start()
+    last = month_start(this - timedelta(days=3))
+    monkeypatch.setattr(meter_module, "month_start", lambda now=None: last)
+    meter = Meter("tiny", gpus=1)
+    meter.charge(each([op(team.pk)]), 30.0)
+    meter.count([op(team.pk)])
+    # Not written before the month turned (the database was down then, or the flush not due).
+    monkeypatch.setattr(meter_module, "month_start", lambda now=None: this)
+    meter.charge(each([op(team.pk)]), 5.0)
+    meter.flush(force=True)
+    assert charges() == {
+        (team.pk, last.date()): (30.0, 1),
+        (team.pk, this.date()): (5.0, 0),
+    }
+    assert not meter.earlier
+
+
 def test_the_check_reuses_a_teams_usage_for_a_moment_but_reads_its_limit_each_time(
     team, monkeypatch
 ):
@@ -131,3 +186,11 @@ def test_the_check_reuses_a_teams_usage_for_a_moment_but_reads_its_limit_each_ti
     with pytest.raises(BudgetSpent) as refused:
         check_month_budget(team.pk)
     assert refused.value.used_hours == pytest.approx(60 / 3600)
+
+
+def test_the_reused_usage_does_not_grow_without_bound(team, other_team, monkeypatch):
+    monkeypatch.setattr(quotas, "USAGE_REUSE_ENTRIES", 2)
+    monkeypatch.setattr(quotas, "USAGE_REUSE_SECONDS", 0.0)
+    for checked in (team.pk, other_team.pk, other_team.pk + 1, team.pk):
+        check_month_budget(checked)
+        assert len(quotas._recent_usage) <= 2

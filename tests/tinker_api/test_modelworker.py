@@ -377,6 +377,114 @@ def test_the_beat_ends_sessions_whose_client_left_while_no_worker_held_them(
     assert not TinkerSession.objects.get(pk="s-here").finished
 
 
+def chat(team: int, **fields: Any) -> str:
+    """A /v1 request of ``team``, queued as ``services.serving.submit`` queues it."""
+    rid = futures.new_request_id()
+    op = {
+        "op": "chat",
+        "rid": rid,
+        "target": {},
+        "mode": "completion",
+        "prompts": ["3+4="],
+        "n": 1,
+        "stream": False,
+        "logprobs": False,
+        "top_logprobs": 0,
+        "max_context": 512,
+        "params": {"max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "seed": 1, "stop": []},
+        **fields,
+    }
+    futures.submit(rid, op, team_id=team, base=BASE)
+    return rid
+
+
+def test_a_chat_requests_prefill_is_its_own_teams_even_when_it_joins_from_a_step(
+    base_model_dir: Path, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """One row at a time: b's request waits and joins when a's ends, inside a decode step;
+    c's echo has nothing to generate (lm-eval's scoring) and joins after b's. Each prefill
+    (and the scoring) is charged to its own team, not to the rows already decoding, and not
+    lost for want of rows."""
+    settings.OPENTINKER_TINKER_SAMPLE_BATCH_ROWS = 1
+    settings.OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS = 3600
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-charge")
+    slow = 1.0  # well over what a prefill or a few decode steps of the tiny model take
+
+    def slowly(real: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(slow)
+            return real(*args, **kwargs)
+
+        return run
+
+    from tinker_api.worker import chat as chat_module
+
+    monkeypatch.setattr(worker.chat.batch, "add", slowly(worker.chat.batch.add))
+    monkeypatch.setattr(chat_module, "score_prompts", slowly(chat_module.score_prompts))
+    a, b, c = chat(11), chat(12), chat(13, echo=True, logprobs=True, params={"max_tokens": 0})
+    drain(worker)
+    for rid in (a, b, c):
+        assert futures.get(rid)["status"] == futures.DONE
+    charged = dict(worker.meter.seconds)
+    assert set(charged) == {11, 12, 13}
+    for team in (11, 12, 13):
+        # Its own prefill or scoring, and its few decode steps of the tiny model; none of
+        # another's.
+        assert slow <= charged[team] < 2 * slow, charged
+    assert dict(worker.meter.requests) == {11: 1, 12: 1, 13: 1}
+
+
+def test_a_request_queued_without_a_team_by_an_earlier_release_is_charged_to_its_futures(
+    base_model_dir: Path, settings: Any
+) -> None:
+    """A web process of an earlier release named no team in its messages (``submit`` above
+    queues as it did): the worker charges the team of the request's future."""
+    settings.OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS = 3600
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-untagged")
+    created = create("m", 1)
+    drain(worker)
+    result(created)
+    assert dict(worker.meter.requests) == {1: 1}
+    assert set(worker.meter.seconds) == {1} and worker.meter.seconds[1] > 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_that_ends_for_want_of_redis_still_writes_its_last_charges(
+    team: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobs.models import ServingCharge
+    from tinker_api import tasks
+    from tinker_api.worker import server
+    from tinker_api.worker.meter import Meter
+
+    def redis_down(*_args: Any) -> None:
+        raise ConnectionError("Redis is unreachable")
+
+    class Ending:
+        """A worker whose serve loop ends when Redis stays away past its patience."""
+
+        def __init__(self, base: str, *_args: Any, **_kwargs: Any) -> None:
+            self.meter = Meter(base, gpus=1)
+            self.stopping = threading.Event()
+
+        def serve(self) -> str:
+            self.meter.charge({team.pk: 1}, 7.0)  # since its last flush
+            raise ConnectionError("Redis is unreachable")
+
+        fail_everything = staticmethod(redis_down)
+
+    monkeypatch.setattr(server, "ModelWorker", Ending)
+    monkeypatch.setattr(tasks, "lease_devices", lambda *_args: ["cpu"])
+    monkeypatch.setattr(tasks.Heartbeat, "start", lambda self: None)
+    monkeypatch.setattr(tasks.Heartbeat, "stop", lambda self: None)
+    monkeypatch.setattr(tasks.GpuLockTable, "renew", lambda *_args, **_kwargs: object())
+    monkeypatch.setattr(tasks.futures, "register_worker", lambda *_args: True)
+    monkeypatch.setattr(tasks.futures, "unregister_worker", redis_down)
+    with pytest.raises(ConnectionError):
+        tasks._serve(BASE, base_path="", node="n", gpus=[0], lease_job_id="j", lease_token="t")
+    assert ServingCharge.objects.get(team=team).gpu_seconds == pytest.approx(7.0)
+
+
 def test_a_skipped_optimizer_step_answers_json_that_strict_parsers_read() -> None:
     from tinker_api.worker.handlers import optim_reply, strict_json
 

@@ -19,13 +19,14 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tinker_api import events, futures
 from tinker_api.serving.toolcalls import TOOL_CALL_OPEN
 from tinker_api.worker.chat_prompts import BadRequest, PromptRenderer
+from tinker_api.worker.meter import Shares, by_rows
 from tinker_api.worker.requests import Op, RequestError, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.textstream import TextStream
@@ -111,9 +112,17 @@ class Running:
 
 class ChatHandler:
     def __init__(
-        self, base: str, engine: Engine, policies: Mapping[str, Policy], samplers: SamplerCache
+        self,
+        base: str,
+        engine: Engine,
+        policies: Mapping[str, Policy],
+        samplers: SamplerCache,
+        charge: Callable[[Shares, float], None] = lambda _shares, _seconds: None,
     ) -> None:
         self.base = base
+        # Where the time of each prefill (and echo scoring) and decode step goes: to the teams
+        # of the requests it ran for (``Meter.charge``).
+        self.charge = charge
         self.engine = engine
         self.policies = policies
         self.samplers = samplers
@@ -216,6 +225,15 @@ class ChatHandler:
         ops, self.waiting = ops[:taken], ops[taken:]
         if not ops:
             return
+        started = time.perf_counter()
+        try:
+            self._admit(ops)
+        finally:
+            # The prefill and any echo's scoring are the joining requests' alone, whether
+            # they joined from the worker loop or from a step (requests that waited).
+            self.charge(by_rows(ops), time.perf_counter() - started)
+
+    def _admit(self, ops: list[Op]) -> None:
         gone = events.cancelled(op.rid for op in ops)
         admitted: list[tuple[Running, list[Row]]] = []
         for op in ops:
@@ -345,6 +363,9 @@ class ChatHandler:
             if self.waiting:
                 self.admit([])
             return
+        # A decode step is its rows', by their rows; requests admitted after it charge their
+        # own prefill (``admit``).
+        shares, started = self.row_teams(), time.perf_counter()
         try:
             steps = self.batch.step()
             drop = self._on_step(steps)
@@ -352,6 +373,8 @@ class ChatHandler:
             log.exception("chat batch failed")
             self.fail_all(exc)
             return
+        finally:
+            self.charge(shares, time.perf_counter() - started)
         if drop:
             self.batch.drop(drop)
         self._forget()

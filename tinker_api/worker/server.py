@@ -108,10 +108,12 @@ class ModelWorker:
         self.order = SeqOrder(worker_id)
         self.training = TrainingHandlers(self.policies, self.samplers)
         self.sampling = SamplingHandler(base, self.engine, self.policies, self.samplers)
-        self.chat = ChatHandler(base, self.engine, self.policies, self.samplers)
+        self.meter = Meter(base, gpus)
+        self.chat = ChatHandler(
+            base, self.engine, self.policies, self.samplers, charge=self.meter.charge
+        )
         self.samples: list[Op] = []
         self.chats: list[Op] = []
-        self.meter = Meter(base, gpus)
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -151,6 +153,14 @@ class ModelWorker:
             ops.append(op)
             claims.append((entry_id, op.rid))
         claimed = futures.claim_entries(self.base, self.worker_id, claims)
+        # Queued by a web process of an earlier release, which named no team in the request:
+        # its future's team is charged for it. A close is the service's own.
+        untagged = [op for op in ops if "team" not in op.fields and op.kind != "close"]
+        if untagged:
+            for op, team in zip(
+                untagged, futures.teams_of([op.rid for op in untagged]), strict=True
+            ):
+                op.fields["team"] = team
         if again:
             # A skip's or a close's future is not a queued one; running either twice is harmless.
             ops = [op for op, ok in zip(ops, claimed, strict=True) if ok or op.kind in RERUNNABLE]
@@ -269,18 +279,14 @@ class ModelWorker:
             self._metered(batch, by_rows(batch), self.sampling.run, batch)
             progressed = True
         # One decode step of the chat batch per turn: what was read since joins it first.
+        # The chat handler charges its prefills and decode steps itself (``self.meter``).
         if self.chats:
             chats, self.chats = self.chats, []
             self.meter.count(chats)
-            before = self.chat.row_teams()
-            started = time.perf_counter()
             self.chat.admit(chats)
-            # The prefill is the joining rows' (all of them, if nothing joined).
-            joined = self.chat.row_teams() - before
-            self.meter.charge(joined or self.chat.row_teams(), time.perf_counter() - started)
             progressed = True
         if self.chat.busy:
-            self._metered([], self.chat.row_teams(), self.chat.step)
+            self.chat.step()
             progressed = True
         ready = self.order.take_ready()
         for op in ready.singles:
