@@ -32,6 +32,9 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
     serializer_class = TeamSerializer
     lookup_field = "slug"
+    # What a SlugField holds: anything else (a NUL, which PostgreSQL cannot even compare)
+    # names no team and is answered 404 before any query.
+    lookup_value_regex = r"[-a-zA-Z0-9_]+"
 
     def get_queryset(self) -> QuerySet[Team]:
         return Team.objects.filter(pk__in=team_ids_for(self.request))

@@ -161,6 +161,9 @@ def check_row(number: int, row: dict[str, Any], schema: DatasetSchema) -> list[R
         if unstorable(name):
             # The name itself cannot be echoed back in a JSON answer.
             errors.append(RowError(number, None, f"a column name: {unstorable(name)}"))
+        elif "\x00" in name:
+            # Column names are stored in PostgreSQL's jsonb, which holds no NUL.
+            errors.append(RowError(number, None, "a column name: null characters are not allowed"))
         elif reason := unstorable(value):
             errors.append(RowError(number, name, reason))
     if errors:

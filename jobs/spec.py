@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from accounts.json_checks import surrogate_at
+from accounts.json_checks import unstorable_text_at
 from environments.registry import (
     ContractError,
     frozen_opponent,
@@ -434,10 +434,11 @@ def parse_spec(data: Any) -> JobSpec:
     if model is None or isinstance(version, bool):
         known = ", ".join(str(v) for v in sorted(SPEC_VERSIONS))
         raise SpecError([{"field": "version", "reason": f"unknown spec version; known: {known}"}])
-    # pydantic cannot even report a key that holds one (it raises UnicodeEncodeError).
-    surrogate = surrogate_at(data)
-    if surrogate is not None:
-        raise SpecError([{"field": surrogate[0], "reason": surrogate[1]}])
+    # pydantic cannot even report a key that holds a lone surrogate (it raises
+    # UnicodeEncodeError), and PostgreSQL's jsonb stores no NUL.
+    unstorable = unstorable_text_at(data)
+    if unstorable is not None:
+        raise SpecError([{"field": unstorable[0], "reason": unstorable[1]}])
     try:
         return model.model_validate(data)  # type: ignore[return-value]
     except ValidationError as exc:

@@ -23,12 +23,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.exceptions import Conflict
+from accounts.filters import refuse_unknown_params
 from accounts.models import Quota
 from accounts.pagination import CheckedCursorPagination
 from accounts.scoping import resolve_team, team_ids_for
 
 from . import artifacts, datasets, downloads, sampling, services
-from .filters import DatasetFilter, JobFilter, StrictFilterBackend, refuse_unknown_params
+from .filters import DatasetFilter, JobFilter
 from .models import BaseModel, Dataset, Job, JobEvent, JobMetric
 from .quotas import BudgetSpent
 from .serializers import (
@@ -105,7 +106,6 @@ class JobViewSet(
 
     serializer_class = JobSerializer
     filterset_class = JobFilter
-    filter_backends = [StrictFilterBackend]
 
     def get_queryset(self) -> QuerySet[Job]:
         return Job.objects.filter(team_id__in=team_ids_for(self.request)).select_related(
@@ -450,7 +450,6 @@ class DatasetViewSet(
 
     serializer_class = DatasetSerializer
     filterset_class = DatasetFilter
-    filter_backends = [StrictFilterBackend]
     parser_classes = [MultiPartParser, FormParser]
     content_negotiation_class = FormatIsAFilterNegotiation
 

@@ -199,14 +199,15 @@ class GetInfoRequest(RequestModel):
 
 
 class AdamParams(RequestModel):
-    # A NaN or infinite hyperparameter would turn every weight into NaN at the step.
+    # A NaN or infinite hyperparameter would turn every weight into NaN at the step. The
+    # bounds are the engine's (training.types.AdamParams): a 400 now, not a failed future.
     model_config = ConfigDict(allow_inf_nan=False)
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
     grad_clip_norm: float = 0.0
 
 

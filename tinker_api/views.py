@@ -86,6 +86,11 @@ def endpoint(*methods: str, auth: bool = True) -> Callable[..., Any]:
                     return _json(401, {"detail": "send your API key in the X-API-Key header"})
                 user, key = found
                 caller = Caller(team_id=key.team_id, user=user, key=key)
+            for name, value in kwargs.items():
+                # Ids and names live in PostgreSQL, whose text holds no NUL: none has one,
+                # and a query for one would fail.
+                if "\x00" in value:
+                    return _json(404, {"detail": f"unknown {name}: it holds a NUL character"})
             try:
                 return fn(request, caller, *args, **kwargs)
             except wire.WireError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.validators import slug_re
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest
 
@@ -21,6 +22,14 @@ def user_teams(user: Any) -> QuerySet[Team]:
     if not user.is_authenticated:
         return Team.objects.none()
     return Team.objects.filter(memberships__user=user).order_by("name", "slug")
+
+
+def member_team(user: Any, slug: str) -> Team | None:
+    """The user's team of this slug. A posted value that is no slug names no team; one with
+    a NUL would fail the query on PostgreSQL, whose text cannot hold it."""
+    if not slug_re.match(slug):
+        return None
+    return user_teams(user).filter(slug=slug).first()
 
 
 def current_team(request: HttpRequest) -> Team | None:
@@ -62,7 +71,7 @@ def page_team(request: HttpRequest) -> Team | None:
     slug = request.POST.get("team") if request.method == "POST" else None
     if not slug:
         return current_team(request)
-    team = user_teams(request.user).filter(slug=slug).first()
+    team = member_team(request.user, slug)
     if team is None:
         raise Http404("you are not a member of that team")
     set_current_team(request, team)

@@ -66,6 +66,8 @@ def test_it_reports_the_first_bad_rows(owner_client, data_dir):
     [
         (b'{"question": "x", "answer": NaN}', "answer", "NaN is not allowed"),
         (b'{"question": "\\ud800", "answer": "1"}', "question", "surrogate characters"),
+        # Column names are stored in PostgreSQL's jsonb, which holds no NUL.
+        (b'{"question": "x", "answer": "1", "n\\u0000": 1}', "row", "a column name: null"),
         (
             b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b', "answer": "1"}',
             "row",

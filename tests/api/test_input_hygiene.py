@@ -151,6 +151,38 @@ def test_it_answers_a_lone_surrogate_with_a_json_400_naming_where(owner_client, 
     assert ApiKey.objects.count() == 1 and ApiKey.objects.get().expires_at is None
 
 
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"method": "smoke", "base_model": "tiny\x00"}, "base_model"),
+        ({"method": "rl", "env": "math", "dataset": "dataset:\x00"}, "dataset"),
+        ({"method": "rl", "env": "bandit", "env_config": {"arms\x00": 2}}, "env_config"),
+    ],
+)
+def test_it_refuses_a_nul_in_a_spec_naming_where(owner_client, spec, field):
+    # PostgreSQL's jsonb holds no NUL, nor its text: stored or looked up, the query failed.
+    response = owner_client.post(JOBS, {"spec": spec}, format="json")
+    assert response.status_code == 400, response.content
+    (error,) = response.json()["errors"]
+    assert error["field"] == field and "null characters" in error["reason"]
+    assert not Job.objects.exists()
+
+
+def test_it_answers_a_team_slug_with_a_nul_with_a_json_404(owner_client):
+    response = owner_client.get("/api/v1/teams/acme%00")
+    assert response.status_code == 404 and response["Content-Type"] == "application/json"
+    assert owner_client.get("/api/v1/teams/acme").status_code == 200
+
+
+@pytest.mark.parametrize("url", [KEYS, "/api/v1/teams", "/api/v1/base-models"])
+def test_it_refuses_query_parameters_every_list_does_not_take(owner_client, url):
+    # ?team= on the keys of a user in two teams listed both teams' keys.
+    response = owner_client.get(url, {"team": "acme"})
+    assert response.status_code == 400
+    assert "unknown query parameter" in response.json()["team"][0]
+    assert owner_client.get(url).status_code == 200
+
+
 def test_it_renders_an_answer_that_echoes_a_lone_surrogate_as_json():
     from accounts.renderers import SurrogateSafeJSONRenderer
 

@@ -183,6 +183,7 @@ def test_it_lists_a_teams_sampler_weights_alone(
         "job:00000000-0000-0000-0000-000000000000",
         "tinker://nope/sampler_weights/x",
         "tinker://bad-path",
+        "job:\x00",  # PostgreSQL's text holds no NUL: the lookup itself failed
     ],
 )
 def test_it_answers_404_naming_model_for_unknown_names(

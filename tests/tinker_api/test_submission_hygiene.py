@@ -10,11 +10,12 @@ import pytest
 from django.test import Client
 
 from tests.tinker_api.conftest import BASE_NAME
-from tests.tinker_api.test_protocol import api, new_model, new_session
-from tinker_api import futures
+from tests.tinker_api.test_protocol import api, fwdbwd_body, new_model, new_session
+from tinker_api import _proto, futures
 from tinker_api.models import Checkpoint, SamplingSession, TinkerSession, TrainingModel
 from tinker_api.schema_limits import MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, MAX_TAGS
 from tinker_api.services import checkpoints
+from tinker_api.wire import PROTOBUF
 
 pytestmark = pytest.mark.usefixtures("clean_tinker_keys", "tinker_data_dir")
 
@@ -188,6 +189,41 @@ def test_it_bounds_the_metadata_of_models_and_checkpoints(
     assert TrainingModel.objects.count() == 1 and not Checkpoint.objects.exists()
 
 
+def test_it_refuses_nul_characters_postgresql_cannot_store(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any
+) -> None:
+    """A NUL in a stored name is a 400 naming the field, in an id a 404: never the
+    database's error (PostgreSQL's text and jsonb hold no NUL), and nothing is queued."""
+    client, key = Client(), owner_key[1]
+    session_id = new_session(client, key)
+    _, model_id = new_model(client, key, session_id)
+    for path, body, where in (
+        ("create_session", {"sdk_version": "0.38\x00"}, "sdk_version"),
+        ("create_session", {"sdk_version": "0", "user_metadata": {"k": "\x00"}}, "user_metadata.k"),
+        (
+            "create_model",
+            {"session_id": session_id, "model_seq_id": 1, "base_model": "\x00"},
+            "base_model",
+        ),
+        ("get_info", {"model_id": "m\x00"}, "model_id"),
+        ("optim_step", {"model_id": model_id + "\x00", "seq_id": 1, "adam_params": {}}, "model_id"),
+        ("forward_backward", fwdbwd_body(model_id + "\x00", 1), "model_id"),
+    ):
+        res = api(client, key, path, body)
+        assert res.status_code == 400, (path, res.content)
+        assert f"{where}: null characters are not allowed" in res.json()["detail"], path
+    proto = _proto.ForwardBackwardRequest(model_id=model_id + "\x00", seq_id=1).SerializeToString()
+    res = client.post(
+        "/api/v1/forward_backward", proto, content_type=PROTOBUF, HTTP_X_API_KEY="tml-" + key
+    )
+    assert res.status_code == 400 and "model_id: null" in res.json()["detail"]
+    for path in (f"sessions/{session_id}%00", f"training_runs/{model_id}%00", "samplers/%00"):
+        res = api(client, key, path)
+        assert res.status_code == 404 and "NUL character" in res.json()["detail"], path
+    assert TinkerSession.objects.count() == 1 and TrainingModel.objects.count() == 1
+    assert queued(redis_client) == 1  # the model's creation
+
+
 @pytest.mark.parametrize("limit", ["-5", "0", "abc", "1.5"])
 def test_it_refuses_a_bad_page_limit(tinker_base: Any, owner_key: tuple[Any, str], limit) -> None:
     client, key = Client(), owner_key[1]
@@ -291,6 +327,31 @@ def test_a_loss_fn_config_the_loss_does_not_take_is_refused_when_it_arrives(
         refused = api(client, key, "forward_backward", body)
         assert refused.status_code == 400, refused.content
         assert said in refused.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "adam, where",
+    [
+        ({"learning_rate": -1e-4}, "learning_rate"),
+        ({"beta1": -0.1}, "beta1"),
+        ({"beta2": 1.0}, "beta2"),
+        ({"eps": 0}, "eps"),
+        ({"weight_decay": -0.01}, "weight_decay"),
+    ],
+)
+def test_adam_params_the_engine_refuses_are_refused_when_they_arrive(
+    tinker_base: Any, owner_key: tuple[Any, str], redis_client: Any, adam: Any, where: str
+) -> None:
+    # Accepted, they failed the future later, on the model worker.
+    client, key = Client(), owner_key[1]
+    _, model_id = new_model(client, key, new_session(client, key))
+    before = queued(redis_client)
+    body = {"model_id": model_id, "seq_id": 1, "adam_params": adam}
+    refused = api(client, key, "optim_step", body)
+    assert refused.status_code == 400 and f"adam_params.{where}" in refused.json()["detail"]
+    assert queued(redis_client) - before == 1  # the skip past its spent seq_id, nothing to run
+    body = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.0}}
+    assert api(client, key, "optim_step", body).status_code == 200
 
 
 def test_checkpoint_metadata_reads_back_whole_and_as_text(

@@ -131,6 +131,31 @@ def test_it_shows_the_chosen_teams_jobs_after_a_switch(
     assert "second-team-job" in page and "first-team-job" not in page
 
 
+@pytest.mark.parametrize("target", ["/\\evil.example/", "https://evil.example/"])
+def test_it_redirects_after_a_switch_only_to_a_page_of_this_site(
+    login: Callable[[Any], Client],
+    make_team: Callable[..., Team],
+    team: Team,
+    owner: Any,
+    target: str,
+) -> None:
+    # Browsers read "/\\evil.example" as "//evil.example".
+    make_team("second", (owner, "member"))
+    response = login(owner).post(reverse("web:switch_team"), {"team": "second", "next": target})
+    assert response.status_code == 302 and response["Location"] == reverse("web:jobs")
+
+
+def test_it_answers_404_for_a_posted_team_that_is_no_slug(
+    login: Callable[[Any], Client], team: Team, owner: Any
+) -> None:
+    # A NUL in the query failed it on PostgreSQL: a 500.
+    client = login(owner)
+    for slug in (team.slug + "\x00", team.slug + " "):
+        assert client.post(reverse("web:switch_team"), {"team": slug}).status_code == 404
+        form = {"team": slug, "name": "rows", "env": "math"}
+        assert client.post(reverse("web:datasets"), form).status_code == 404
+
+
 def test_it_redirects_anonymous_visitors_to_sign_in(client: Client, team: Team) -> None:
     for name in ("web:jobs", "web:job_new", "web:keys", "web:team", "web:datasets"):
         response = client.get(reverse(name))

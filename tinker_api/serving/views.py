@@ -150,6 +150,9 @@ def _model_object(served: serving.Served) -> dict[str, Any]:
 
 
 def _resolve(caller: Caller, name: str) -> serving.Served:
+    if "\x00" in name:
+        # Names are looked up in PostgreSQL, whose text holds no NUL: none has one.
+        raise model_not_found(name)
     try:
         return serving.resolve(caller, name)
     except serving.UnknownModel as exc:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from accounts.json_checks import NUL_REASON
 from tinker_api import _proto
 from tinker_api import schemas as s
 from tinker_api.wire.images import ImageGeometry, WireImage, counter, expand, image_chunk
@@ -28,6 +29,7 @@ from tinker_api.wire.media import (
     WireError,
     decompress,
     json_position,
+    known_id,
     media_type,
     parse_json,
 )
@@ -169,7 +171,7 @@ def forward_backward_position(raw: bytes, content_type: str | None) -> tuple[str
         msg.ParseFromString(raw)
     except DecodeError:
         return None
-    return (msg.model_id, msg.seq_id) if msg.model_id else None
+    return (msg.model_id, msg.seq_id) if known_id(msg.model_id) else None
 
 
 def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
@@ -178,6 +180,9 @@ def _decode_proto_forward_backward(raw: bytes) -> ForwardBackwardBatch:
         msg.ParseFromString(raw)
     except DecodeError as exc:
         raise WireError(f"body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    if "\x00" in msg.model_id:
+        # The model is looked up in PostgreSQL, whose text holds no NUL.
+        raise WireError(f"model_id: {NUL_REASON}")
     # The SDK writes strings to loss_fn_config_v2 only and numbers to both maps; v2 wins.
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():

@@ -14,6 +14,8 @@ from typing import Literal, TypeVar
 import zstandard
 from pydantic import BaseModel, ValidationError
 
+from accounts.json_checks import unstorable_text_at
+
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 # Bodies are limited after decompression too: a small zstd frame can expand enormously.
@@ -99,9 +101,17 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 def parse_json(model: type[ModelT], body: bytes) -> ModelT:
     """Validate a JSON request body, turning pydantic's errors into a 400 ``WireError``."""
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as exc:
         raise WireError(f"invalid {model.__name__}: {_first_errors(exc)}") from None
+    # Ids are looked up and names stored in PostgreSQL, whose text holds no NUL. JSON can
+    # spell one only as an escape, so a body without that escape needs no second parse.
+    if b"\\u0000" in body:
+        found = unstorable_text_at(json.loads(body))
+        if found is not None:
+            where, reason = found
+            raise WireError(f"invalid {model.__name__}: {where or '(body)'}: {reason}")
+    return parsed
 
 
 def json_position(body: bytes) -> tuple[str, int] | None:
@@ -115,9 +125,15 @@ def json_position(body: bytes) -> tuple[str, int] | None:
         return None
     model_id, seq = data.get("model_id"), data.get("seq_id")
     # bool is an int to Python, never a seq_id to the SDK.
-    if not isinstance(model_id, str) or not model_id or type(seq) is not int:
+    if not isinstance(model_id, str) or not known_id(model_id) or type(seq) is not int:
         return None
     return model_id, seq
+
+
+def known_id(model_id: str) -> bool:
+    """Whether ``model_id`` could name a model: not empty, and no NUL (which PostgreSQL's
+    text cannot hold, so no row has one and a query for it would fail)."""
+    return bool(model_id) and "\x00" not in model_id
 
 
 def _first_errors(exc: ValidationError, limit: int = 3) -> str:

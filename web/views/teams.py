@@ -12,13 +12,14 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from accounts import teams
 from accounts.models import Invitation, Membership
 from web import actions
 from web.forms import InviteForm, RoleForm
-from web.teams import current_team, is_owner, page_team, set_current_team, user_teams
+from web.teams import current_team, is_owner, member_team, page_team, set_current_team
 
 from .common import acted_on, no_team, usage_bars
 
@@ -26,13 +27,14 @@ from .common import acted_on, no_team, usage_bars
 @login_required
 @require_POST
 def switch_team(request: HttpRequest) -> HttpResponse:
-    team = user_teams(request.user).filter(slug=request.POST.get("team", "")).first()
+    team = member_team(request.user, request.POST.get("team", ""))
     if team is None:
         raise Http404("no such team")
     set_current_team(request, team)
     messages.info(request, f"Now working in team {team.name}.")
     target = request.POST.get("next") or reverse("web:jobs")
-    if not target.startswith("/") or target.startswith("//"):
+    # A path of this site only: browsers read "/\\host" as "//host", another site.
+    if not target.startswith("/") or not url_has_allowed_host_and_scheme(target, None):
         target = reverse("web:jobs")
     return redirect(target)
 
