@@ -408,29 +408,41 @@ def test_a_chat_requests_prefill_is_its_own_teams_even_when_it_joins_from_a_step
     settings.OPENTINKER_TINKER_SAMPLE_BATCH_ROWS = 1
     settings.OPENTINKER_TINKER_CHARGE_FLUSH_SECONDS = 3600
     worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-charge")
-    slow = 1.0  # well over what a prefill or a few decode steps of the tiny model take
+    ran: list[str] = []  # the prefills and scorings since the last charge
 
-    def slowly(real: Any) -> Any:
+    def marked(what: str, real: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(slow)
+            ran.append(what)
             return real(*args, **kwargs)
 
         return run
 
     from tinker_api.worker import chat as chat_module
 
-    monkeypatch.setattr(worker.chat.batch, "add", slowly(worker.chat.batch.add))
-    monkeypatch.setattr(chat_module, "score_prompts", slowly(chat_module.score_prompts))
+    monkeypatch.setattr(worker.chat.batch, "add", marked("prefill", worker.chat.batch.add))
+    monkeypatch.setattr(chat_module, "score_prompts", marked("scoring", chat_module.score_prompts))
+    charges: list[tuple[dict[Any, float], list[str]]] = []
+    meter_charge = worker.chat.charge
+
+    def recording(shares: Any, seconds: float) -> None:
+        charges.append((dict(shares), list(ran)))
+        ran.clear()
+        meter_charge(shares, seconds)
+
+    worker.chat.charge = recording
     a, b, c = chat(11), chat(12), chat(13, echo=True, logprobs=True, params={"max_tokens": 0})
     drain(worker)
     for rid in (a, b, c):
         assert futures.get(rid)["status"] == futures.DONE
-    charged = dict(worker.meter.seconds)
-    assert set(charged) == {11, 12, 13}
-    for team in (11, 12, 13):
-        # Its own prefill or scoring, and its few decode steps of the tiny model; none of
-        # another's.
-        assert slow <= charged[team] < 2 * slow, charged
+    # Each prefill or scoring is charged alone, to the team whose request it ran for.
+    assert [(shares, what) for shares, what in charges if what] == [
+        ({11: 1}, ["prefill"]),
+        ({12: 1}, ["prefill"]),
+        ({13: 1}, ["scoring"]),
+    ]
+    # The decode steps are the decoding rows' alone.
+    assert {tuple(shares) for shares, what in charges if not what} == {(11,), (12,)}
+    assert set(worker.meter.seconds) == {11, 12, 13}
     assert dict(worker.meter.requests) == {11: 1, 12: 1, 13: 1}
 
 
