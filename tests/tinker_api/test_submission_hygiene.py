@@ -222,6 +222,17 @@ def test_it_refuses_nul_characters_postgresql_cannot_store(
         assert res.status_code == 404 and "NUL character" in res.json()["detail"], path
     assert TinkerSession.objects.count() == 1 and TrainingModel.objects.count() == 1
     assert queued(redis_client) == 1  # the model's creation
+    # A stop string goes to the model worker, never to the database: a NUL is text there.
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    params = {"max_tokens": 1, "stop": ["\x00never"]}
+    res = api(
+        client,
+        key,
+        "asample",
+        {"base_model": BASE_NAME, "prompt": prompt, "sampling_params": params},
+    )
+    assert res.status_code == 200, res.content
+    assert queued(redis_client) == 2
 
 
 @pytest.mark.parametrize("limit", ["-5", "0", "abc", "1.5"])

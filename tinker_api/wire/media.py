@@ -107,7 +107,12 @@ def parse_json(model: type[ModelT], body: bytes) -> ModelT:
     # Ids are looked up and names stored in PostgreSQL, whose text holds no NUL. JSON can
     # spell one only as an escape, so a body without that escape needs no second parse.
     if b"\\u0000" in body:
-        found = unstorable_text_at(json.loads(body))
+        data = json.loads(body)
+        if isinstance(data, dict):
+            # Generation parameters (stop strings) go to the model worker, never to the
+            # database: a NUL there is text like any other.
+            data = {k: v for k, v in data.items() if k != "sampling_params"}
+        found = unstorable_text_at(data)
         if found is not None:
             where, reason = found
             raise WireError(f"invalid {model.__name__}: {where or '(body)'}: {reason}")
