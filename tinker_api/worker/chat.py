@@ -190,8 +190,9 @@ class ChatHandler:
         if run.ended:
             return
         run.ended = True
-        futures.complete(run.rid, json_body=json.dumps(outcome).encode())
+        # The place first: whoever sees the answer sees the place free.
         futures.samples_answered(self.base, 1)
+        futures.complete(run.rid, json_body=json.dumps(outcome).encode())
 
     def _refuse(self, op: Op, exc: Exception) -> None:
         if isinstance(exc, BadRequest):
@@ -211,9 +212,9 @@ class ChatHandler:
             # The exception's text describes the server, not the request: it stays in the log.
             message = f"the model worker failed on request {op.rid}; its log holds the cause"
             event = {"t": "error", "status": 500, "message": message}
+        futures.samples_answered(self.base, 1)
         events.publish([(op.rid, event)])
         futures.fail(op.rid, str(event["message"]), "user" if event["status"] == 400 else "server")
-        futures.samples_answered(self.base, 1)
 
     def admit(self, ops: list[Op]) -> None:
         """Put the requests ``ops`` in the batch (or refuse them, each alone)."""
@@ -238,8 +239,8 @@ class ChatHandler:
         admitted: list[tuple[Running, list[Row]]] = []
         for op in ops:
             if op.rid in gone:
-                futures.complete(op.rid, json_body=b'{"cancelled": true}')
                 futures.samples_answered(self.base, 1)
+                futures.complete(op.rid, json_body=b'{"cancelled": true}')
                 continue
             try:
                 admitted.append(self._prepare(op))
