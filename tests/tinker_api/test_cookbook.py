@@ -54,16 +54,18 @@ RENDERER = "qwen3_instruct"
 
 
 @pytest.fixture
-def worker_env(owner_key: tuple[Any, str], live_server: Any) -> dict[str, str]:
-    """The SDK finds the server and the key in the environment, as a user's script would."""
-    return {"TINKER_API_KEY": "tml-" + owner_key[1], "TINKER_BASE_URL": live_server.url + "/"}
-
-
-@pytest.fixture
-def server(live_tinker: str, base_model_dir: Path) -> str:
-    """The live server's URL, its tokenizer registered with the cookbook."""
+def server(
+    live_tinker: str,
+    owner_key: tuple[Any, str],
+    base_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> str:
+    """The live server's URL; the SDK finds it and the key in the environment, as a user's
+    script would (``TINKER_BASE_URL``, ``TINKER_API_KEY``), and the cookbook its tokenizer."""
     from transformers import AutoTokenizer
 
+    monkeypatch.setenv("TINKER_API_KEY", "tml-" + owner_key[1])
+    monkeypatch.setenv("TINKER_BASE_URL", live_tinker + "/")
     register_tokenizer(BASE_NAME, lambda: AutoTokenizer.from_pretrained(str(base_model_dir)))
     return live_tinker + "/"
 
