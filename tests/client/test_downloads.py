@@ -259,7 +259,9 @@ class Ranges(BaseHTTPRequestHandler):
 
     def _head(self, status: int, length: int, headers: dict[str, str]) -> None:
         self.send_response(status)
-        for name, value in {**headers, "Accept-Ranges": "bytes"}.items():
+        # Said, not only done: a client that pooled the connection would find it closed
+        # under its next request, a failure before the answer that it retries.
+        for name, value in {**headers, "Accept-Ranges": "bytes", "Connection": "close"}.items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(length))
         self.end_headers()
