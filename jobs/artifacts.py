@@ -40,6 +40,9 @@ METRICS_ARTIFACT = "metrics.jsonl"
 # peft's weights file (training.peft_io writes it): an adapter exists once this file does.
 # Named here rather than imported, so that the web process never imports the training core.
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# A full model directory as transformers' save_pretrained leaves it (weights possibly sharded).
+MODEL_CONFIG = "config.json"
+MODEL_WEIGHTS = "*.safetensors"
 
 
 def workdir(job_id: Any) -> Path:
@@ -145,6 +148,19 @@ def adapter_dir(job_id: Any) -> Path | None:
     """The job's final PEFT adapter directory, once the run has exported it."""
     path = workdir(job_id) / "adapter"
     return path if (path / ADAPTER_WEIGHTS).is_file() else None
+
+
+def model_dir(job_id: Any) -> Path | None:
+    """A full fine-tuning job's final model (a Hugging Face directory), once exported."""
+    path = workdir(job_id) / "model"
+    if not (path / MODEL_CONFIG).is_file():
+        return None
+    return path if any(path.glob(MODEL_WEIGHTS)) else None
+
+
+def final_policy(job_id: Any) -> Path | None:
+    """What the job left to sample: its PEFT adapter or its full model (None: neither yet)."""
+    return adapter_dir(job_id) or model_dir(job_id)
 
 
 def artifacts(job_id: Any) -> list[dict[str, Any]]:

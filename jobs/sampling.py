@@ -1,5 +1,5 @@
 """``POST /api/v1/jobs/{id}/sample`` and the job page's sample box: quick generations from a
-finished job's final adapter.
+finished job's final weights (its adapter, or its model when it trained every weight).
 
 The web process holds no model: a sample is answered by the model worker of the job's base
 model, the one that serves the policy ``job:<id>`` on the OpenAI endpoint. Queueing requests
@@ -34,7 +34,7 @@ MAX_SAMPLE_IMAGE_BYTES = 8 * 1024 * 1024
 
 
 class NoAdapter(Exception):
-    """The job has no final adapter to sample from (not finished, failed, or full weights)."""
+    """The job has no final weights to sample from (not finished, or failed)."""
 
 
 class BadSampleRequest(ValueError):

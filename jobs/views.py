@@ -276,7 +276,7 @@ class JobViewSet(
     @extend_schema(request=SampleRequestSerializer, responses={200: SampleResponseSerializer})
     @action(detail=True, methods=["post"], pagination_class=None, filterset_class=None)
     def sample(self, request: Request, pk: str | None = None) -> Response:
-        """Generate from the job's final adapter on the model worker of its base model
+        """Generate from the job's final weights on the model worker of its base model
         (bounded: see jobs.sampling); 409 without one, 429 while the team or the queue is
         full, 403 once the team's GPU-hours this month are spent, 503 when no model worker
         answers."""

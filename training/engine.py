@@ -28,7 +28,8 @@ class Engine:
     """Base model + tokenizer + `LoRAHost`; the factory and registry of policies.
 
     `base` is a local model directory (loaded by `training.model.load_base`, hub off) or an
-    already built model, in which case `tokenizer` may be passed alongside.
+    already built model, in which case `tokenizer` (and a vision model's `processor`) may be
+    passed alongside.
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class Engine:
         *,
         tokenizer: Any = None,
         dtype: torch.dtype | None = None,
+        processor: Any = None,
     ) -> None:
         if isinstance(base, nn.Module):
             model = base
@@ -58,8 +60,8 @@ class Engine:
         self.tokenizer = tokenizer
         # A vision-language model's image processor (None for a text-only model, or for a
         # model built in memory: set it with the model's processor to pass images as files).
-        self.processor: Any = None
-        if self.base_path is not None and vision.is_vision_model(model):
+        self.processor: Any = processor
+        if processor is None and self.base_path is not None and vision.is_vision_model(model):
             from training.model import resolve_base_path
 
             # An alias ("tiny-vl") names the model; the processor's files are in its directory.

@@ -232,6 +232,13 @@ OPENTINKER_OPENAI_TEAM_CONCURRENCY = read_int("OPENTINKER_OPENAI_TEAM_CONCURRENC
 OPENTINKER_OPENAI_STREAM_INTERVAL_MS = read_int(
     "OPENTINKER_OPENAI_STREAM_INTERVAL_MS", 50, minimum=0, maximum=1000
 )
+# Fully fine-tuned policies a model worker holds at once beside its base model (each a whole
+# model in device memory, with a decode batch of its own), and how long one may sit idle
+# before its memory is given back.
+OPENTINKER_OPENAI_FULL_MODELS = read_int("OPENTINKER_OPENAI_FULL_MODELS", 2, minimum=1)
+OPENTINKER_OPENAI_FULL_IDLE_SECONDS = read_int(
+    "OPENTINKER_OPENAI_FULL_IDLE_SECONDS", 300, minimum=1
+)
 # Browser origins allowed to call /v1 (a chat UI that runs in the browser): "*" or a list
 # such as "https://chat.example.org". Empty (the default): no CORS headers, preflights 405.
 # /v1 authenticates by Bearer key, never by cookie, so no credentials are allowed either way.

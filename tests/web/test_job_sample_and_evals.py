@@ -22,7 +22,7 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from accounts.models import Team
-from jobs.models import JobMetric, JobState
+from jobs.models import Job, JobMetric, JobState
 from tests.e2e.conftest import (  # noqa: F401  (fixtures)
     addition_dataset,
     shared_data_dir,
@@ -196,7 +196,7 @@ def test_it_says_clearly_when_a_job_has_no_adapter_to_sample(
     params = {"prompt": "1+1=", "max_tokens": "4", "temperature": "0", "n": "1"}
     refused = client.post(sample_url, params)
     assert refused.status_code == 409
-    assert "has no adapter to sample from yet" in refused.content.decode()
+    assert "has no weights to sample from yet" in refused.content.decode()
     boxed = client.post(sample_url, params, HTTP_HX_REQUEST="true")
     assert boxed.status_code == 200 and 'id="sample-error"' in boxed.content.decode()
     assert client.get(sample_url).status_code == 405
@@ -236,7 +236,7 @@ def test_it_links_an_eval_jobs_transcript_and_skips_missing_ones(
     html = page.content.decode()
     assert f'href="/api/v1/jobs/{job.pk}/artifacts/eval/transcripts.jsonl"' in html
     # A finished eval job trains nothing: no sample form, and it says why.
-    assert "left no LoRA adapter to sample from" in html and 'name="prompt"' not in html
+    assert "left no weights to sample from" in html and 'name="prompt"' not in html
 
     rows = client.get(reverse("web:job_detail", args=[train.pk])).context["evals"]["rows"]
     assert [(r["step"], r["values"], r["transcript"]) for r in rows] == [(4, [0.75], None)]
@@ -287,6 +287,19 @@ def test_it_shows_how_to_call_a_finished_jobs_policy_on_the_openai_endpoint(
     assert f'model="job:{done.pk}"' in python.group(1)
     # The snippet is Python that parses (a template slip would show as a syntax error).
     compile(python.group(1), "snippet.py", "exec")
+
+    # A run that trained every weight left a model instead: it is served all the same.
+    from jobs import artifacts
+
+    full = submit(team, owner, name="with-model")
+    Job.objects.filter(pk=full.pk).update(state=JobState.SUCCEEDED)
+    model = artifacts.workdir(full.pk) / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    full_page = client.get(reverse("web:job_detail", args=[full.pk]))
+    assert full_page.context["can_sample"]
+    assert full_page.context["use_model"]["model"] == f"job:{full.pk}"
 
     # No adapter, no snippet: nothing could answer it yet.
     waiting = client.get(reverse("web:job_detail", args=[queued.pk]))

@@ -94,7 +94,7 @@ def sample_job(
     seed: int | None,
     image: bytes | None = None,
 ) -> list[dict[str, Any]]:
-    """``n`` generations from the job's final adapter, in ``jobs.sampling``'s shape."""
+    """``n`` generations from the job's final weights, in ``jobs.sampling``'s shape."""
     caller = Caller(team_id=job.team_id, user=None, key=None)
     try:
         served = serving.resolve(caller, f"{serving.JOB_PREFIX}{job.pk}")

@@ -3,9 +3,10 @@
 A model name is one of (first match wins):
 
 - a base model (``tiny``): the registry's enabled rows;
-- ``job:<id>``: the final adapter of one of the team's jobs; ``job:<id>:<checkpoint>``: one of
-  its native checkpoints (the LoRA weights of the saved training state);
-- the name of one of the team's jobs: the newest job of that name with a final adapter;
+- ``job:<id>``: the final policy of one of the team's jobs (its adapter, or its model when it
+  trained every weight); ``job:<id>:<checkpoint>``: one of its native checkpoints (the
+  weights of the saved training state);
+- the name of one of the team's jobs: the newest job of that name with a final policy;
 - ``tinker://<run>/sampler_weights/<name>``: a Tinker sampler checkpoint.
 
 Another team's jobs and checkpoints are unknown (``NotFound``), like every other id. The
@@ -65,7 +66,8 @@ class RateLimited(Busy):
 
 
 class NotServable(Exception):
-    """A name the caller may see that cannot be sampled (a training state, full weights)."""
+    """A name the caller may see that cannot be sampled (yet): a training state, a job with no
+    final weights, a base model that is disabled."""
 
 
 @dataclass(frozen=True)
@@ -80,25 +82,30 @@ class Served:
 
 
 def _job_target(job: Job, checkpoint: str | None) -> tuple[BaseModel, dict[str, Any]]:
+    """The base model and the worker's target of a job's final policy or one checkpoint:
+    a LoRA adapter (``file``, ``scale``) beside the base, or a whole model (``full``: the
+    exported model directory, or a checkpoint's training state) that the base model's worker
+    loads on its own."""
     try:
         spec = parse_spec(job.spec)
     except SpecError as exc:
         raise NotServable(f"job {job.pk} has an unreadable spec") from exc
-    if spec.full_finetune:
-        raise NotServable(f"job {job.pk} trained every weight; only LoRA policies are served")
     base = BaseModel.objects.enabled().filter(name=spec.base_model).first()
     if base is None:
         raise NotServable(f"job {job.pk}'s base model {spec.base_model!r} is not enabled")
     if checkpoint is None:
-        adapter = artifacts.adapter_dir(job.pk)
-        if adapter is None:
-            raise NotServable(f"job {job.pk} has no final adapter yet (state {job.state})")
-        file = str(adapter)
+        final = artifacts.model_dir(job.pk) if spec.full_finetune else artifacts.adapter_dir(job.pk)
+        if final is None:
+            what = "model" if spec.full_finetune else "adapter"
+            raise NotServable(f"job {job.pk} has no final {what} yet (state {job.state})")
+        file = str(final)
     else:
         state = artifacts.checkpoint_file(job.pk, checkpoint)
         if state is None:
             raise UnknownModel(f"job {job.pk} has no checkpoint {checkpoint!r}")
         file = str(state)
+    if spec.full_finetune:
+        return base, {"full": file}
     return base, {"file": file, "scale": spec.lora.alpha / spec.lora.rank}
 
 
@@ -126,7 +133,7 @@ def resolve(caller: Caller, name: str) -> Served:
         base, target = _job_target(job, checkpoint or None)
         return Served(name, base, target, int(job.created.timestamp()), job.team.slug)
     for job in Job.objects.filter(team_id=caller.team_id, name=name).order_by("-created"):
-        if artifacts.adapter_dir(job.pk) is not None:
+        if artifacts.final_policy(job.pk) is not None:
             base, target = _job_target(job, None)
             return Served(name, base, target, int(job.created.timestamp()), job.team.slug)
     raise UnknownModel(f"unknown model {name!r}")
@@ -169,7 +176,7 @@ def list_models(caller: Caller) -> list[Served]:
     jobs = Job.objects.filter(team_id=caller.team_id).select_related("team")
     for job in jobs.order_by("-created")[:LISTED_JOBS]:
         try:
-            if artifacts.adapter_dir(job.pk) is not None:
+            if artifacts.final_policy(job.pk) is not None:
                 base, target = _job_target(job, None)
                 out.append(
                     Served(

@@ -194,7 +194,7 @@ class ChatHandler:
         futures.samples_answered(self.base, 1)
         futures.complete(run.rid, json_body=json.dumps(outcome).encode())
 
-    def _refuse(self, op: Op, exc: Exception) -> None:
+    def refuse(self, op: Op, exc: Exception) -> None:
         if isinstance(exc, BadRequest):
             event = {
                 "t": "error",
@@ -245,7 +245,7 @@ class ChatHandler:
             try:
                 admitted.append(self._prepare(op))
             except Exception as exc:
-                self._refuse(op, exc)
+                self.refuse(op, exc)
         if not admitted:
             return
         rows = [row for _run, run_rows in admitted for row in run_rows]
@@ -254,7 +254,7 @@ class ChatHandler:
         except Exception as exc:
             log.exception("chat prefill failed")
             for run, _rows in admitted:
-                self._refuse(run.op, exc)
+                self.refuse(run.op, exc)
             return
         choices = [(run, c) for run, _rows in admitted for c in run.choices if not c.finished]
         self.owner.update(zip(idents, choices, strict=True))
@@ -397,9 +397,9 @@ class ChatHandler:
         for run in self.runs:
             if not run.ended:
                 run.ended = True
-                self._refuse(run.op, error)
+                self.refuse(run.op, error)
         for op in self.waiting:
-            self._refuse(op, error)
+            self.refuse(op, error)
         self.waiting = []
         self.runs, self.owner = [], {}
         self.batch = ContinuousBatch(self.engine.model, self.engine.tokenizer, self.engine.host)

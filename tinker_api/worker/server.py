@@ -15,6 +15,7 @@ from django.db import close_old_connections
 from tinker_api import futures
 from tinker_api.services import sessions
 from tinker_api.worker.chat import ChatHandler
+from tinker_api.worker.full_models import FullModels, is_full
 from tinker_api.worker.handlers import TrainingHandlers
 from tinker_api.worker.meter import Meter, by_rows, by_size, each
 from tinker_api.worker.ordering import SeqOrder
@@ -112,6 +113,8 @@ class ModelWorker:
         self.chat = ChatHandler(
             base, self.engine, self.policies, self.samplers, charge=self.meter.charge
         )
+        # Fully fine-tuned policies: whole models of their own, each with its own batch.
+        self.full = FullModels(base, self.engine, self.chat, self.meter.charge)
         self.samples: list[Op] = []
         self.chats: list[Op] = []
         self.gather = gather_seconds(device)
@@ -248,7 +251,8 @@ class ModelWorker:
         return gone
 
     def has_runnable(self) -> bool:
-        return bool(self.samples) or bool(self.chats) or self.chat.busy or self.order.has_runnable()
+        busy = self.chat.busy or self.full.busy
+        return bool(self.samples) or bool(self.chats) or busy or self.order.has_runnable()
 
     # ---------------------------------------------------------------- scheduling
 
@@ -263,6 +267,7 @@ class ModelWorker:
             not self.samples
             and not self.chats
             and not self.chat.busy
+            and not self.full.busy
             and self.order.awaiting_others()
         ):
             left = deadline - time.monotonic()
@@ -283,11 +288,20 @@ class ModelWorker:
         if self.chats:
             chats, self.chats = self.chats, []
             self.meter.count(chats)
-            self.chat.admit(chats)
+            full = [op for op in chats if is_full(op)]
+            if full:
+                self.full.admit(full)
+            if len(full) < len(chats):
+                self.chat.admit([op for op in chats if not is_full(op)])
             progressed = True
         if self.chat.busy:
             self.chat.step()
             progressed = True
+        if self.full.busy:
+            self.full.step()
+            progressed = True
+        elif self.full.handlers:
+            self.full.step()  # drops the models idle too long
         ready = self.order.take_ready()
         for op in ready.singles:
             self._metered([op], each([op]), self.training.run_single, op)
@@ -325,6 +339,7 @@ class ModelWorker:
             futures.fail(op.rid, reason)
         futures.samples_answered(self.base, len(self.samples) + len(self.chats))
         self.chat.fail_all(reason)
+        self.full.fail_all(reason)
         self.order.pending.clear()
         self.samples = []
         self.chats = []
@@ -359,7 +374,7 @@ class ModelWorker:
             if self.step():
                 continue
             quiet = not self.order.pending and not self.samples and not self.chats
-            quiet = quiet and not self.chat.busy
+            quiet = quiet and not self.chat.busy and not self.full.busy
             quiet_for = time.monotonic() - self.last_activity if quiet else 0.0
             if quiet_for > idle:
                 return "idle"

@@ -109,11 +109,12 @@ def _eval_results(job: Job, found: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _sample_context(job: Job, form: SampleForm | None = None) -> dict[str, Any]:
-    """What the sample box needs; it is offered once a finished job has exported an adapter."""
-    has_adapter = job.state in FINAL_STATES and artifacts.adapter_dir(job.pk) is not None
+    """What the sample box needs; it is offered once a finished job has exported its final
+    weights (an adapter, or a full model)."""
+    exported = job.state in FINAL_STATES and artifacts.final_policy(job.pk) is not None
     images = _takes_images(job)
     return {
-        "can_sample": has_adapter,
+        "can_sample": exported,
         "sample_form": form or SampleForm(images=images),
         "samples": None,
         "sample_error": "",
@@ -128,7 +129,7 @@ def _takes_images(job: Job) -> bool:
 
 
 def _use_model(request: HttpRequest, job: Job, can_sample: bool) -> dict[str, str] | None:
-    """How to call the job's policy on the OpenAI endpoint, for a job with a final adapter.
+    """How to call the job's policy on the OpenAI endpoint, for a job with final weights.
 
     The name is ``job:<id>`` (the job's own name may be shared with a later run, or with a
     base model); the base URL is this server's, as the browser reached it.
@@ -196,8 +197,9 @@ def job_sample(request: HttpRequest, job_id: Any) -> HttpResponse:
     status = 200
     if not box["can_sample"]:
         box["sample_error"] = (
-            f"Job {job.name} has no adapter to sample from yet: only a finished training "
-            f"run that exported a LoRA adapter can be sampled (state {job.get_state_display()})."
+            f"Job {job.name} has no weights to sample from yet: only a finished training "
+            f"run that exported its adapter or model can be sampled "
+            f"(state {job.get_state_display()})."
         )
         status = 409
     elif not form.is_valid():
