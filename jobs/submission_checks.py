@@ -133,8 +133,8 @@ def check_env_and_dataset(parsed: JobSpec, team: Team) -> tuple[str | None, list
 def check_eval(parsed: JobSpec, team: Team, kind: str) -> list[dict[str, str]]:
     """An eval job names what it evaluates; a training job must not.
 
-    ``eval.from_job`` must be a LoRA job of the same team on the same base model, with the
-    named checkpoint, or (no checkpoint) a final adapter, already on disk.
+    ``eval.from_job`` must be a training job of the same team on the same base model, with
+    the named checkpoint, or (no checkpoint) its final adapter or model, already on disk.
     """
     if kind != JobKind.EVAL:
         if parsed.eval is not None:
@@ -169,13 +169,18 @@ def check_opponent(parsed: JobSpec, team: Team) -> list[dict[str, str]]:
 
 
 def check_init(parsed: JobSpec, team: Team) -> list[dict[str, str]]:
-    """The weights a training job starts from: the rules of ``eval.from_job``, and the same
-    adapter shape as this job's own `lora` (the weights are copied into it)."""
+    """The weights a training job starts from: the rules of ``eval.from_job`` for a LoRA job,
+    and the same adapter shape as this job's own `lora` (the weights are copied into it)."""
     if parsed.init is None:
         return []
     fields = ("init.from_job", "init.checkpoint")
     errors = check_source_job(
-        team, parsed.base_model, parsed.init.from_job, parsed.init.checkpoint, fields=fields
+        team,
+        parsed.base_model,
+        parsed.init.from_job,
+        parsed.init.checkpoint,
+        fields=fields,
+        lora_only=True,
     )
     if errors:
         return errors
@@ -199,10 +204,12 @@ def check_source_job(
     checkpoint: str | None,
     *,
     fields: tuple[str, str],
+    lora_only: bool = False,
 ) -> list[dict[str, str]]:
-    """Weights another job trained, loaded into this one: a LoRA training job of `team` on
-    `base_model` with `checkpoint` or, without one, its final adapter on disk. `fields` name
-    the job and the checkpoint in the errors."""
+    """Weights another job trained, loaded into this one: a training job of `team` on
+    `base_model` with `checkpoint` or, without one, its final adapter (or model: a full
+    fine-tuning job, unless `lora_only`) on disk. `fields` name the job and the checkpoint in
+    the errors."""
     job_field, checkpoint_field = fields
     try:
         source = Job.objects.filter(pk=job_id, team=team).first()
@@ -216,8 +223,8 @@ def check_source_job(
         source_spec = None
     if source_spec is None or source_spec.method not in ("rl", "sft") or source.kind != "train":
         return [{"field": job_field, "reason": "is not a training job (rl or sft)"}]
-    if source_spec.full_finetune:
-        reason = "trained every weight (full_finetune); only LoRA adapters load beside a policy"
+    if source_spec.full_finetune and lora_only:
+        reason = "trained every weight (full_finetune); only a LoRA adapter starts a LoRA policy"
         return [{"field": job_field, "reason": reason}]
     if source_spec.base_model != base_model:
         reason = f"job {source.pk} trained base model {source_spec.base_model!r}"
@@ -230,10 +237,11 @@ def check_source_job(
             reason = f"job {source.pk} has no checkpoint {checkpoint!r}; has: {names}"
             return [{"field": checkpoint_field, "reason": reason}]
         return []
-    if artifacts.adapter_dir(source.pk) is None:
+    full = source_spec.full_finetune
+    if (artifacts.model_dir if full else artifacts.adapter_dir)(source.pk) is None:
         reason = (
-            f"job {source.pk} has no final adapter yet (state {source.state}); "
-            f"name one of its checkpoints in {checkpoint_field}"
+            f"job {source.pk} has no final {'model' if full else 'adapter'} yet "
+            f"(state {source.state}); name one of its checkpoints in {checkpoint_field}"
         )
         return [{"field": job_field, "reason": reason}]
     return []

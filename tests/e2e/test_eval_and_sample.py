@@ -116,3 +116,51 @@ def test_it_evaluates_snapshots_and_samples_from_a_finished_jobs_adapter(
         == 409
     )
     assert outsider_client.post(url, {"prompt": "x"}, format="json").status_code == 404
+
+
+def test_it_evaluates_and_samples_a_full_fine_tuning_jobs_model(
+    trainer: Any,
+    owner_client: APIClient,
+    addition_dataset: str,
+    tiny_model_dir: Path,
+    clean_tinker_keys: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job that trained every weight exports a model, not an adapter: an eval job loads it
+    as a full policy and reproduces the job's last evaluation, and the model worker serves it
+    (loaded beside the base model) with the same greedy answers."""
+    sdk_worker_env(monkeypatch)
+    worker = trainer()
+    train_spec = rl_spec(addition_dataset, steps=2, eval_every=2, eval_examples=8)
+    del train_spec["lora"]
+    train_spec |= {"full_finetune": True, "optimizer": {"lr": 1e-4}}
+    train_id = submit(owner_client, train_spec)
+    assert finished(train_id, 120).state == JobState.SUCCEEDED, worker.log()[-3000:]
+    trained = series(owner_client, train_id)
+    names = {a["name"] for a in owner_client.get(f"/api/v1/jobs/{train_id}/artifacts").json()}
+    assert "model" in names and "adapter" not in names
+
+    same = {k: train_spec[k] for k in ("method", "env", "dataset", "seed", "eval_examples")}
+    same["rollout"] = {"max_tokens": train_spec["rollout"]["max_tokens"]}
+    eval_id = submit_eval(owner_client, {**same, "eval": {"from_job": train_id}})
+    job = finished(eval_id, 60)
+    assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
+    got = series(owner_client, eval_id)
+    for name in ("eval/accuracy", "eval/reward", "eval/episodes"):
+        assert got[name] == [[0, dict(trained[name])[2]]], name
+    transcripts = download_lines(owner_client, train_id, "eval/step-000002.jsonl")
+    assert download_lines(owner_client, eval_id, "eval/transcripts.jsonl") == transcripts
+    # The trained model answers unlike the base (step 0): the base alone could not pass.
+    before = download_lines(owner_client, train_id, "eval/step-000000.jsonl")
+    actions = [t["turns"][0]["action"] for t in transcripts]
+    assert actions != [t["turns"][0]["action"] for t in before]
+
+    body = {"max_tokens": 24, "temperature": 0.0, "n": 1}
+    for question in transcripts[:3]:
+        response = owner_client.post(
+            f"/api/v1/jobs/{train_id}/sample",
+            {**body, "messages": question["turns"][0]["observation"]},
+            format="json",
+        )
+        assert response.status_code == 200, response.content
+        assert response.json()["samples"][0]["text"] == question["turns"][0]["action"]

@@ -104,7 +104,7 @@ def test_it_checks_the_job_and_checkpoint_an_eval_names(
     )
 
 
-def test_it_refuses_to_evaluate_a_full_finetune_job(
+def test_it_evaluates_a_full_finetune_job_once_its_model_is_exported(
     team: Any, owner: Any, tiny_base_model: Any, data_dir: Path
 ) -> None:
     full = services.submit_job(
@@ -113,13 +113,16 @@ def test_it_refuses_to_evaluate_a_full_finetune_job(
         spec={**MATH, "method": "sft", "full_finetune": True},
         name="full",
     )
-    assert fields_of(
-        team=team,
-        user=owner,
-        spec={**MATH, "eval": {"from_job": str(full.pk)}},
-        name="e",
-        kind=JobKind.EVAL,
-    ) == ["eval.from_job"]
+    spec = {**MATH, "eval": {"from_job": str(full.pk)}}
+    with pytest.raises(SpecError) as refused:
+        services.submit_job(team=team, user=owner, spec=spec, name="e", kind=JobKind.EVAL)
+    (error,) = refused.value.errors
+    assert error["field"] == "eval.from_job" and "no final model yet" in error["reason"]
+    model = workdir(full.pk) / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x")
+    services.submit_job(team=team, user=owner, spec=spec, name="e", kind=JobKind.EVAL)
 
 
 def test_it_checks_the_job_a_snapshot_opponent_names(

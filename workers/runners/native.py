@@ -28,7 +28,7 @@ from jobs.spec import JobSpec, parse_spec
 from training.engine import Engine
 from training.policy import Policy
 from workers import conf, gang
-from workers.runners.adapters import load_peft_adapter
+from workers.runners.adapters import load_full_model, load_peft_adapter
 from workers.runners.base import JobContext, MemberLost
 from workers.runners.distributed import Collective, PeerLost
 from workers.runners.engines import engine_for, policy_from_spec
@@ -59,8 +59,9 @@ def _init_weights(spec: JobSpec) -> Path | None:
 def _load_job_weights(
     engine: Engine, job_id: str | None, checkpoint: str | None, policy_id: str
 ) -> Policy | None:
-    """A new engine policy holding job `job_id`'s final adapter, or its `checkpoint`; None
-    for no job (the base model). The caller removes it from the engine."""
+    """A new engine policy holding job `job_id`'s final weights (its adapter, or its model for
+    full fine-tuning), or its `checkpoint`; None for no job (the base model). The caller
+    removes it from the engine."""
     if job_id is None:
         return None
     # The job that trained the weights shapes the policy they load into.
@@ -72,6 +73,11 @@ def _load_job_weights(
             if path is None:
                 raise LookupError(f"checkpoint {checkpoint!r} of job {job_id} is gone")
             policy.load_state(path)
+        elif trained.full_finetune:
+            model = artifacts.model_dir(job_id)
+            if model is None:
+                raise LookupError(f"job {job_id} has no final model")
+            load_full_model(policy, model)
         else:
             adapter = artifacts.adapter_dir(job_id)
             if adapter is None:
