@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_section
-from bench.serving import MODELS, Request, serve
+from bench.serving import MODELS, Request, serve, spread
 from bench.tinker_stack import BASE, Stack
 
 CLIENTS = 8
@@ -130,17 +129,9 @@ def measure(
     }
 
 
-def spread(runs: list[dict[str, float]], k: str, fmt: str) -> str:
-    values = [r[k] for r in runs]
-    mid = format(statistics.median(values), fmt)
-    if len(values) < 2:
-        return mid
-    return f"{mid} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def section(runs: list[dict[str, float]], args: argparse.Namespace, load: tuple[str, str]) -> str:
     def col(k: str, fmt: str = ".0f") -> str:
-        return spread(runs, k, fmt)
+        return spread([r[k] for r in runs], fmt)
 
     return f"""## {title(args.model)}
 

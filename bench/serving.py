@@ -434,7 +434,7 @@ def measure(
     }
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
     mid = format(statistics.median(values), fmt)
     if len(values) < 2:
         return mid
@@ -443,7 +443,7 @@ def _spread(values: list[float], fmt: str) -> str:
 
 def section(runs: list[dict[str, float]], args: argparse.Namespace, load: tuple[str, str]) -> str:
     def col(k: str, fmt: str) -> str:
-        return _spread([r[k] for r in runs], fmt)
+        return spread([r[k] for r in runs], fmt)
 
     command = "python " + " ".join(["bench/serving.py", *sys.argv[1:]])
     n = int(runs[0]["requests"])
@@ -471,7 +471,7 @@ Where the two cores went during (a), CPU seconds per 1000 completion tokens: the
 worker's process tree (the model worker) {col("worker_cpu_s", ".2f")}, the web server
 {col("web_cpu_s", ".2f")}, Valkey {col("redis_cpu_s", ".2f")}, the 16 `openai` clients in the
 benchmark process {col("client_cpu_s", ".2f")}; wall time {col("wall_s", ".2f")} s. The same
-requests in-process (c) take {_spread([1000.0 / r["local_tps"] for r in runs], ".2f")} s per 1000
+requests in-process (c) take {spread([1000.0 / r["local_tps"] for r in runs], ".2f")} s per 1000
 tokens on one thread.
 
 {MODELS[args.model].notes}"""

@@ -108,7 +108,8 @@ class FullModels:
                 handler = self._load(file, group)
                 if handler is None:
                     continue
-            self.handlers[file] = self.handlers.pop(file)  # the most recently used last
+            self.handlers.pop(file, None)
+            self.handlers[file] = handler  # the most recently used last
             self.idle_since.pop(file, None)
             handler.admit(group)
 
@@ -124,9 +125,7 @@ class FullModels:
             # The load is the requests' that asked for the model.
             self.charge(by_rows(group), time.perf_counter() - started)
         log.info("worker of %s loaded the full model %s", self.base, file)
-        handler = ChatHandler(self.base, engine, {}, SamplerCache(engine), charge=self.charge)
-        self.handlers[file] = handler
-        return handler
+        return ChatHandler(self.base, engine, {}, SamplerCache(engine), charge=self.charge)
 
     def _make_room(self) -> bool:
         if len(self.handlers) < self.capacity:
