@@ -41,6 +41,11 @@ from workers import conf
 
 log = logging.getLogger(__name__)
 
+UNLOADED = (
+    "the weights this request samples were unloaded while it ran (their training session "
+    "ended or their model was closed)"
+)
+
 
 class Stopped(RuntimeError):
     """The worker ends its requests (it stops): the reason is the client's to read."""
@@ -364,6 +369,9 @@ class ChatHandler:
             if self.waiting:
                 self.admit([])
             return
+        self._refuse_unloaded()
+        if not len(self.batch):
+            return
         # A decode step is its rows', by their rows; requests admitted after it charge their
         # own prefill (``admit``).
         shares, started = self.row_teams(), time.perf_counter()
@@ -381,6 +389,25 @@ class ChatHandler:
         self._forget()
         if self.waiting and self.batch.can_join and len(self.batch) < self.max_rows:
             self.admit([])
+
+    def adapters_in_use(self) -> set[str]:
+        """The host keys the batch's rows decode with (``SamplerCache.trim`` keeps them)."""
+        return {row.key for row in self.batch.rows if row.key is not None}
+
+    def _refuse_unloaded(self) -> None:
+        """End the requests whose adapter left the host while they ran (their policy closed):
+        routing the batch through a missing adapter would fail every request in it."""
+        host = self.engine.host
+        gone = {row.ident for row in self.batch.rows if row.key is not None and row.key not in host}
+        if not gone:
+            return
+        runs = {id(run): run for ident, (run, _c) in self.owner.items() if ident in gone}
+        for run in runs.values():
+            if not run.ended:
+                run.ended = True
+                self.refuse(run.op, RequestError(UNLOADED))
+        self.batch.drop({ident for ident, (run, _c) in self.owner.items() if id(run) in runs})
+        self._forget()
 
     def _forget(self) -> None:
         """Stop tracking the requests that have ended and their rows."""

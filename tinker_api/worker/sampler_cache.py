@@ -3,12 +3,18 @@
 A save for the sampler snapshots the policy in memory and writes a PEFT adapter; this worker
 samples from the snapshot while it holds it and from the adapter files otherwise (a snapshot
 it dropped, or one another worker made).
+
+Neither kind is dropped while a request still routes rows to it: a request for a 17th
+checkpoint, or training saving its fifth snapshot, while a stream decodes with the oldest one
+would otherwise unregister the adapter under the running batch, which fails every request in
+it. Loads and saves only record; ``trim`` drops what is past the limits and not in use, at
+the worker loop's safe point between steps.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +40,31 @@ class SamplerCache:
         self.loaded: dict[str, str] = {}
 
     def keep_snapshot(self, checkpoint_pk: int, policy: Policy, version: int) -> None:
-        """Serve a sampler checkpoint from its in-memory snapshot; the oldest snapshots of a
-        policy beyond ``LIVE_SNAPSHOTS`` are dropped (their files still serve them)."""
+        """Serve a sampler checkpoint from its in-memory snapshot; ``trim`` drops the oldest
+        snapshots of a policy beyond ``LIVE_SNAPSHOTS`` (their files still serve them)."""
         self.snapshots[checkpoint_pk] = (policy, version)
-        mine = sorted(pk for pk, (p, _v) in self.snapshots.items() if p is policy)
-        for pk in mine[:-LIVE_SNAPSHOTS]:
-            old_policy, old_version = self.snapshots.pop(pk)
-            if old_version in old_policy.versions:
-                old_policy.release(old_version)
+
+    def trim(self, in_use: Set[str]) -> None:
+        """Drop the snapshots and loaded checkpoints past their limits, oldest first, except
+        those whose host keys are ``in_use`` (rows of a running batch route to them)."""
+        for policy in {id(p): p for p, _v in self.snapshots.values()}.values():
+            mine = sorted(pk for pk, (p, _v) in self.snapshots.items() if p is policy)
+            for pk in mine[: max(0, len(mine) - LIVE_SNAPSHOTS)]:
+                version = self.snapshots[pk][1]
+                held = version in policy.versions
+                if held and policy.version_key(version) in in_use:
+                    continue
+                del self.snapshots[pk]
+                if held:
+                    policy.release(version)
+        extra = len(self.loaded) - LOADED_SAMPLERS
+        for file, key in list(self.loaded.items()):
+            if extra <= 0:
+                break
+            if key not in in_use:
+                del self.loaded[file]
+                self.engine.host.unregister(key)
+                extra -= 1
 
     def forget(self, policy: Policy) -> None:
         """``policy`` is gone: its snapshots no longer serve anything."""
@@ -63,9 +86,10 @@ class SamplerCache:
         file = target.get("file")
         if not file:
             raise RequestError("the sampler weights are not ready yet")
-        key = self.loaded.get(file)
+        key = self.loaded.pop(file, None)
         if key is None:
             key = self._load(file, target)
+        self.loaded[file] = key  # the most recently asked for goes last, dropped last
         return key
 
     def _load(self, file: str, target: Mapping[str, Any]) -> str:
@@ -78,10 +102,6 @@ class SamplerCache:
         scale = float(target["scale"]) if "scale" in target else LORA_ALPHA / int(target["rank"])
         key = f"sampler:{uuid.uuid4().hex[:12]}"
         self.engine.host.register(key, weights, scale, frozen=True)
-        self.loaded[file] = key
-        while len(self.loaded) > LOADED_SAMPLERS:
-            oldest = next(iter(self.loaded))
-            self.engine.host.unregister(self.loaded.pop(oldest))
         return key
 
     def _read_state(self, file: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

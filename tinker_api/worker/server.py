@@ -277,6 +277,8 @@ class ModelWorker:
     def step(self) -> bool:
         """Run what is ready; True if anything ran."""
         progressed = False
+        # Between steps no batch is mid-call: what the cache may drop is what no row decodes.
+        self.samplers.trim(self.chat.adapters_in_use())
         if self.samples:
             # One generation batch of as many requests as fit its row limit; the rest wait.
             taken = fitting(self.samples, sample_batch_rows(), at_least_one=True)
