@@ -17,7 +17,7 @@ same tokens gives; RL losses compare them against training-time logprobs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -202,8 +202,25 @@ def _choose_tokens(
     return torch.where(greedy_B, tokens_B, sampled_B)
 
 
-@torch.no_grad()
 def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    **options: Any,
+) -> list[SampledSequence]:
+    """Complete each prompt once (see `generation`, which takes the same arguments)."""
+    steps = generation(model, tokenizer, prompts, params, **options)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: list[SampledSequence] = done.value
+            return result
+
+
+@torch.no_grad()
+def generation(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[Sequence[int]],
@@ -215,8 +232,12 @@ def generate(
     stop_on_eos: bool | Sequence[bool] = True,
     topk_logprobs: int | Sequence[int] = 0,
     images: Sequence[Sequence[vision.ImageInput]] | None = None,
-) -> list[SampledSequence]:
+) -> Generator[None, None, list[SampledSequence]]:
     """Complete each prompt once; row i uses `params[i]` and LoRA adapter `adapters[i]`.
+
+    A generator: each `next()` runs one forward (the prefill, then a decode step) and the
+    sequences are its return value (`generate` runs it through), so that a server can run
+    other batches between the steps of this one. The arguments are checked at the first.
 
     `images[i]`: the images of prompt i (a vision-language model), in placeholder order.
     `sample_indices[i]` distinguishes the seeded samples of one request (default: 0).
@@ -379,6 +400,7 @@ def generate(
             )
             tokens_B = tokens_B.index_select(0, idx)
             active = [active[b] for b in keep]
+        yield
         logits_B_V = decoder.step(tokens_B, next_pos_B, [keys[r] for r in active], state).float()
         next_pos_B = next_pos_B + 1
 

@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +18,12 @@ from tinker_api.services import sessions
 from tinker_api.worker.chat import ChatHandler
 from tinker_api.worker.full_models import FullModels, is_full
 from tinker_api.worker.handlers import TrainingHandlers
-from tinker_api.worker.meter import Meter, by_rows, by_size, each
+from tinker_api.worker.meter import Meter, Shares, by_rows, by_size, each
 from tinker_api.worker.ordering import SeqOrder
 from tinker_api.worker.policies import Policies
 from tinker_api.worker.requests import Op, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
-from tinker_api.worker.sampling import SamplingHandler
+from tinker_api.worker.sampling import SampleBatch, SamplingHandler
 from training.engine import Engine
 from workers import conf, control
 from workers.dispatcher import JOBS_WAITING_KEY
@@ -57,6 +58,10 @@ def torch_threads() -> int:
 
 def sample_batch_rows() -> int:
     return conf.int_setting("OPENTINKER_TINKER_SAMPLE_BATCH_ROWS", minimum=1)
+
+
+def sample_steps_per_chat_step() -> int:
+    return conf.int_setting("OPENTINKER_TINKER_SAMPLE_STEPS_PER_CHAT_STEP", minimum=1)
 
 
 def gather_seconds(device: str) -> float:
@@ -116,6 +121,11 @@ class ModelWorker:
         # Fully fine-tuned policies: whole models of their own, each with its own batch.
         self.full = FullModels(base, self.engine, self.chat, self.meter.charge)
         self.samples: list[Op] = []
+        # The generation batch in progress, charged to its requests' teams by rows; session
+        # closes read meanwhile wait for its end (their snapshots may be what it samples).
+        self.sampling_batch: SampleBatch | None = None
+        self.sampling_shares: Shares = Counter()
+        self.closes: list[Op] = []
         self.chats: list[Op] = []
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
@@ -223,6 +233,9 @@ class ModelWorker:
             self.chats.append(op)
             return
         if op.kind == "close":
+            if self.sampling_batch is not None:
+                self.closes.append(op)
+                return
             self.close_models(op.fields["models"], "has finished")
             futures.complete(op.rid, json_body=b"{}")
             return
@@ -251,7 +264,7 @@ class ModelWorker:
         return gone
 
     def has_runnable(self) -> bool:
-        busy = self.chat.busy or self.full.busy
+        busy = self.chat.busy or self.full.busy or self.sampling_batch is not None
         return bool(self.samples) or bool(self.chats) or busy or self.order.has_runnable()
 
     # ---------------------------------------------------------------- scheduling
@@ -265,6 +278,7 @@ class ModelWorker:
         deadline = time.monotonic() + self.gather
         while (
             not self.samples
+            and self.sampling_batch is None
             and not self.chats
             and not self.chat.busy
             and not self.full.busy
@@ -278,12 +292,25 @@ class ModelWorker:
         """Run what is ready; True if anything ran."""
         progressed = False
         # Between steps no batch is mid-call: what the cache may drop is what no row decodes.
-        self.samplers.trim(self.chat.adapters_in_use())
-        if self.samples:
+        in_use = self.chat.adapters_in_use()
+        if self.sampling_batch is not None:
+            in_use |= self.sampling_batch.keys
+        self.samplers.trim(in_use)
+        if self.sampling_batch is None and self.samples:
             # One generation batch of as many requests as fit its row limit; the rest wait.
             taken = fitting(self.samples, sample_batch_rows(), at_least_one=True)
             batch, self.samples = self.samples[:taken], self.samples[taken:]
-            self._metered(batch, by_rows(batch), self.sampling.run, batch)
+            self.meter.count(batch)
+            self.sampling_shares = by_rows(batch)
+            self.sampling_batch = self._charged(self.sampling.start, batch)
+        # A few forwards of it per turn (one by default): the chat batch's steps run between,
+        # and training waits as it waited for the whole batch before.
+        for _ in range(sample_steps_per_chat_step()):
+            if self.sampling_batch is None:
+                break
+            if self._charged(self.sampling_batch.advance):
+                self.sampling_batch = None
+                self._close_deferred()
             progressed = True
         # One decode step of the chat batch per turn: what was read since joins it first.
         # The chat handler charges its prefills and decode steps itself (``self.meter``).
@@ -304,6 +331,11 @@ class ModelWorker:
             progressed = True
         elif self.full.handlers:
             self.full.step()  # drops the models idle too long
+        if self.sampling_batch is not None:
+            if progressed:
+                self.last_activity = time.monotonic()
+            self.meter.flush()
+            return progressed
         ready = self.order.take_ready()
         for op in ready.singles:
             self._metered([op], each([op]), self.training.run_single, op)
@@ -321,6 +353,19 @@ class ModelWorker:
         self.meter.flush()
         return progressed
 
+    def _charged(self, run: Callable[..., Any], *args: Any) -> Any:
+        """``run(*args)`` for the sampling batch, its time charged to the batch's teams."""
+        started = time.perf_counter()
+        try:
+            return run(*args)
+        finally:
+            self.meter.charge(self.sampling_shares, time.perf_counter() - started)
+
+    def _close_deferred(self) -> None:
+        closes, self.closes = self.closes, []
+        for op in closes:
+            self._accept(op)
+
     def _metered(self, ops: list[Op], shares: Any, run: Callable[..., None], *args: Any) -> None:
         """``run(*args)``, its time charged to the teams of ``shares``."""
         self.meter.count(ops)
@@ -337,6 +382,10 @@ class ModelWorker:
             futures.fail(op.rid, reason)
         for op in self.samples:
             futures.fail(op.rid, reason)
+        if self.sampling_batch is not None:
+            self.sampling_batch.fail(reason)
+            self.sampling_batch = None
+        self._close_deferred()
         for op in self.chats:
             futures.fail(op.rid, reason)
         futures.samples_answered(self.base, len(self.samples) + len(self.chats))
@@ -376,6 +425,7 @@ class ModelWorker:
             if self.step():
                 continue
             quiet = not self.order.pending and not self.samples and not self.chats
+            quiet = quiet and self.sampling_batch is None
             quiet = quiet and not self.chat.busy and not self.full.busy
             quiet_for = time.monotonic() - self.last_activity if quiet else 0.0
             if quiet_for > idle:
