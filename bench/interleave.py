@@ -30,7 +30,6 @@ import itertools
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench.report import write_section
+from bench.site import setup_site
 
 TITLE = "Chat streams beside a Tinker sampling batch"
 BASE = "bench-interleave"
@@ -151,20 +151,13 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.rows, args.tokens, args.repeats) < 1 or args.tokens < 2:
         parser.error("--rows and --repeats must be >= 1, --tokens >= 2")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "opentinker_site.settings.local")
-    if not os.environ.get("DATABASE_URL"):
-        os.environ["OPENTINKER_DATA_DIR"] = tempfile.mkdtemp(prefix="bench-interleave-")
-    import django
-
-    django.setup()
+    setup_site("bench-interleave-")
     import torch
-    from django.core.management import call_command
 
     from tinker_api.worker import sampling
     from tinker_api.worker.server import ModelWorker
     from training.model import DEFAULT_BASE_MODEL
 
-    call_command("migrate", verbosity=0)
     if args.model == "mfu":
         from bench.mfu import build_model
 

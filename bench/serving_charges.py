@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -49,14 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.calls, args.rows, args.steps, args.rounds) < 1:
         parser.error("--calls, --rows, --steps and --rounds must be >= 1")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "opentinker_site.settings.local")
-    if not os.environ.get("DATABASE_URL"):
-        os.environ["OPENTINKER_DATA_DIR"] = tempfile.mkdtemp(prefix="bench-charges-")
-    import django
+    from bench.site import setup_site
 
-    django.setup()
+    setup_site("bench-charges-")
     import torch
-    from django.core.management import call_command
     from django.db import connection
     from django.utils import timezone
 
@@ -70,7 +65,6 @@ def main() -> None:
     from training.model import DEFAULT_BASE_MODEL
     from training.types import SamplingParams
 
-    call_command("migrate", verbosity=0)
     team, _ = Team.objects.get_or_create(slug="bench-charges", defaults={"name": "bench"})
     Quota.objects.get_or_create(team=team)
     charge_serving("tiny", {team.pk: 1.0}, {team.pk: 1})
