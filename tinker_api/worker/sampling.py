@@ -48,16 +48,11 @@ class SampleBatch:
     def advance(self) -> bool:
         """Run the batch's next forward; True once it has ended (answered or failed)."""
         try:
-            next(self.steps)
-            return False
-        except StopIteration as done:
-            seqs = done.value
-        except Exception as exc:
-            log.exception("sampling batch failed")
-            self.fail(f"{type(exc).__name__}: {exc}")
-            return True
-        try:
-            self.handler.finish(self.owners, self.op_images, seqs)
+            try:
+                next(self.steps)
+                return False
+            except StopIteration as done:
+                self.handler.finish(self.owners, self.op_images, done.value)
         except Exception as exc:
             log.exception("sampling batch failed")
             self.fail(f"{type(exc).__name__}: {exc}")

@@ -121,11 +121,12 @@ class ModelWorker:
         # Fully fine-tuned policies: whole models of their own, each with its own batch.
         self.full = FullModels(base, self.engine, self.chat, self.meter.charge)
         self.samples: list[Op] = []
-        # The generation batch in progress, charged to its requests' teams by rows; session
-        # closes read meanwhile wait for its end (their snapshots may be what it samples).
+        # The generation batch in progress, charged to its requests' teams by rows; models
+        # whose sessions end meanwhile are closed after it (it may sample their snapshots):
+        # (models, why, the close request to answer).
         self.sampling_batch: SampleBatch | None = None
         self.sampling_shares: Shares = Counter()
-        self.closes: list[Op] = []
+        self.closes: list[tuple[list[str], str, str | None]] = []
         self.chats: list[Op] = []
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
@@ -233,17 +234,17 @@ class ModelWorker:
             self.chats.append(op)
             return
         if op.kind == "close":
-            if self.sampling_batch is not None:
-                self.closes.append(op)
-                return
-            self.close_models(op.fields["models"], "has finished")
-            futures.complete(op.rid, json_body=b"{}")
+            self.close_models(op.fields["models"], "has finished", answer=op.rid)
             return
         self.order.accept(op)
 
-    def close_models(self, models: list[str], why: str) -> None:
+    def close_models(self, models: list[str], why: str, answer: str | None = None) -> None:
         """The session of these models ended: drop their queued work (a seq_id gap left by
-        a failed client-side custom loss ends here too) and free their weights."""
+        a failed client-side custom loss ends here too) and free their weights; then answer
+        the close request ``answer``. While a sampling batch runs, after its end."""
+        if self.sampling_batch is not None:
+            self.closes.append((models, why, answer))
+            return
         for model in models:
             for queued in self.order.drop(model):
                 futures.fail(queued.rid, f"the session of {model} {why}", "user")
@@ -251,6 +252,8 @@ class ModelWorker:
             self.policies.close(model)
             if policy is not None:
                 self.samplers.forget(policy)
+        if answer is not None:
+            futures.complete(answer, json_body=b"{}")
 
     def reap_sessions(self) -> list[str]:
         """End the sessions of this worker's models that stopped heartbeating (their client
@@ -302,13 +305,13 @@ class ModelWorker:
             batch, self.samples = self.samples[:taken], self.samples[taken:]
             self.meter.count(batch)
             self.sampling_shares = by_rows(batch)
-            self.sampling_batch = self._charged(self.sampling.start, batch)
+            self.sampling_batch = self._charged(self.sampling_shares, self.sampling.start, batch)
         # A few forwards of it per turn (one by default): the chat batch's steps run between,
         # and training waits as it waited for the whole batch before.
         for _ in range(sample_steps_per_chat_step()):
             if self.sampling_batch is None:
                 break
-            if self._charged(self.sampling_batch.advance):
+            if self._charged(self.sampling_shares, self.sampling_batch.advance):
                 self.sampling_batch = None
                 self._close_deferred()
             progressed = True
@@ -353,25 +356,21 @@ class ModelWorker:
         self.meter.flush()
         return progressed
 
-    def _charged(self, run: Callable[..., Any], *args: Any) -> Any:
-        """``run(*args)`` for the sampling batch, its time charged to the batch's teams."""
+    def _close_deferred(self) -> None:
+        closes, self.closes = self.closes, []
+        for models, why, answer in closes:
+            self.close_models(models, why, answer)
+
+    def _metered(self, ops: list[Op], shares: Any, run: Callable[..., None], *args: Any) -> None:
+        """``run(*args)``, counted for ``ops``, its time charged to the teams of ``shares``."""
+        self.meter.count(ops)
+        self._charged(shares, run, *args)
+
+    def _charged(self, shares: Shares, run: Callable[..., Any], *args: Any) -> Any:
+        """``run(*args)``, its time charged to the teams of ``shares``."""
         started = time.perf_counter()
         try:
             return run(*args)
-        finally:
-            self.meter.charge(self.sampling_shares, time.perf_counter() - started)
-
-    def _close_deferred(self) -> None:
-        closes, self.closes = self.closes, []
-        for op in closes:
-            self._accept(op)
-
-    def _metered(self, ops: list[Op], shares: Any, run: Callable[..., None], *args: Any) -> None:
-        """``run(*args)``, its time charged to the teams of ``shares``."""
-        self.meter.count(ops)
-        started = time.perf_counter()
-        try:
-            run(*args)
         finally:
             self.meter.charge(shares, time.perf_counter() - started)
 
