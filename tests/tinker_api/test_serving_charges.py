@@ -53,6 +53,12 @@ def charged(team: Any) -> tuple[float, int]:
     return (row.gpu_seconds, row.requests) if row else (0.0, 0)
 
 
+def settled(team: Any) -> bool:
+    before = charged(team)
+    time.sleep(0.5)
+    return charged(team) == before
+
+
 def test_the_model_workers_time_is_charged_and_a_spent_month_refused(
     server: str, team: Any, other_team: Any, owner_key: tuple[Any, str]
 ) -> None:
@@ -74,6 +80,8 @@ def test_the_model_workers_time_is_charged_and_a_spent_month_refused(
 
         # Create, 2 x (forward/backward, optimizer step), the sampler's save, 1 sample, 1 chat.
         wait_for(lambda: charged(team)[1] >= 8, timeout=30, what="the worker's charges")
+        # A request's last steps are charged after it is counted: read once they stop.
+        wait_for(lambda: settled(team), timeout=30, what="the worker's last charges")
         seconds, requests = charged(team)
         # The worker's one block, busy for part of the time since the test began.
         assert 0 < seconds < time.monotonic() - began and requests >= 8
