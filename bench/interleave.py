@@ -1,26 +1,30 @@
-"""What a Tinker sampling batch does to the chat streams of the same model worker.
+"""What a Tinker sampling request does to the chat streams of the same model worker.
 
     .venv/bin/python bench/interleave.py [--model tiny|mfu] [--rows 32] [--tokens 64]
                                          [--repeats 3] [--write]
 
-A model worker serves the Tinker protocol's sampling batches (an RL loop's rollouts: many
-rows, run to their end) and the OpenAI-style chat batch (streams) of one base model. The
-sampling batch runs one forward per turn of the worker's loop, with the chat batch's decode
-step between two of them (``tinker_api.worker.sampling.SampleBatch``). Measured here on one
+A model worker serves the Tinker protocol's sample requests (an RL loop's rollouts: many
+rows) and the OpenAI-style chat requests (streams) of one base model. Their rows decode in
+one continuous batch, one forward per turn of the worker's loop for both
+(``tinker_api.worker.chat.ChatHandler`` with its ``SamplingHandler``). Measured here on one
 in-process ``ModelWorker`` (embedded Valkey, SQLite, one torch thread), one streaming chat
-request of ``--tokens`` tokens, and a sampling request of ``--rows`` rows of ``--tokens``
+request of ``--tokens`` tokens, and a sample request of ``--rows`` rows of ``--tokens``
 tokens arriving while it streams:
 
 - chat alone: the request on the idle worker (the baseline for its latencies);
-- beside the batch, interleaved: what the worker does;
-- beside the batch, whole: the batch run to its end in one turn (what the worker did
-  before), the same requests in the same run;
-- and the sampling batch's own wall time alone and in both modes.
+- shared: what the worker does, both in one batch;
+- two batches, interleaved: the sample request in a generation batch of its own
+  (``training.sampler.generation``) that runs one forward per turn, the chat batch's decode
+  step between two of them (what the worker did before the batch was shared);
+- two batches, whole: that batch run to its end in one turn (what it did before that);
+- and the sample request's own wall time alone and in each mode.
 
-For the chat request: the longest gap between two of its tokens and the time to all of them
-(counted as the worker produces them, in-process, not through Redis); the sampling
-request arrives once the stream has a quarter of its tokens, so the gap measures the stall. Medians of
-``--repeats`` rounds, the modes alternating in each.
+The two-batch modes are built here from the same handler's pieces (``prepare``, ``finish``)
+around ``generation``, the same requests in the same run. For the chat request: the longest
+gap between two of its tokens and the time to all of them (counted as the worker produces
+them, in-process, not through Redis); the sample request arrives once the stream has a
+quarter of its tokens, so the gap measures the stall. Medians of ``--repeats`` rounds, the
+modes alternating in each.
 """
 
 from __future__ import annotations
@@ -45,7 +49,56 @@ from bench.site import setup_site
 
 TITLE = "Chat streams beside a Tinker sampling batch"
 BASE = "bench-interleave"
-MODES = ("chat alone", "sampling alone", "interleaved", "whole")
+MODES = ("chat alone", "sampling alone", "shared", "interleaved", "whole")
+
+
+class TwoBatches:
+    """The sample requests of ``worker`` in a generation batch of their own, beside its
+    chat batch: one forward per turn (``whole``: the batch to its end in one turn)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.whole = False
+        self.batch: tuple[Any, Any] | None = None
+        self.shared_step = worker.step
+
+    @property
+    def busy(self) -> bool:
+        """Whether sample rows still decode, in either mode."""
+        return self.batch is not None or self.worker.sampling.busy
+
+    def step(self) -> bool:
+        from training.sampler import generation
+
+        worker = self.worker
+        samples = [op for op in worker.chats if op.kind == "sample"]
+        worker.chats = [op for op in worker.chats if op.kind != "sample"]
+        for op in samples:
+            run, rows = worker.sampling.prepare(op)
+            steps = generation(
+                worker.engine.model,
+                worker.engine.tokenizer,
+                [r.prompt for r in rows],
+                [r.params for r in rows],
+                adapters=[r.adapter for r in rows],
+                host=worker.engine.host,
+                sample_indices=[r.sample_index for r in rows],
+                stop_on_eos=[r.stop_on_eos for r in rows],
+                topk_logprobs=[r.topk for r in rows],
+            )
+            self.batch = (run, steps)
+        if self.batch is not None:
+            run, steps = self.batch
+            try:
+                next(steps)
+                while self.whole:
+                    next(steps)
+            except StopIteration as done:
+                run.rows = done.value
+                worker.sampling.finish([run])
+                self.batch = None
+        self.shared_step()
+        return True
 
 
 def sample_op(rows: int, tokens: int) -> dict[str, Any]:
@@ -87,7 +140,7 @@ def chat_op(tokens: int) -> dict[str, Any]:
     }
 
 
-def run_mode(worker: Any, mode: str, args: argparse.Namespace) -> dict[str, float]:
+def run_mode(worker: Any, two: TwoBatches, mode: str, args: argparse.Namespace) -> dict[str, float]:
     from tinker_api import futures
 
     def submit(op: dict[str, Any]) -> str:
@@ -126,7 +179,7 @@ def run_mode(worker: Any, mode: str, args: argparse.Namespace) -> dict[str, floa
         made = sum(c.tokens for c in running.choices) if running is not None else 0
         if made > len(times):
             times += [now] * (made - len(times))
-        idle = worker.sampling_batch is None and not worker.samples
+        idle = not two.busy
         if sample is not None and sample_done is None and idle and ended(sample):
             sample_done = now
     assert chat is None or len(times) == args.tokens, len(times)
@@ -154,7 +207,6 @@ def main() -> None:
     setup_site("bench-interleave-")
     import torch
 
-    from tinker_api.worker import sampling
     from tinker_api.worker.server import ModelWorker
     from training.model import DEFAULT_BASE_MODEL
 
@@ -167,20 +219,15 @@ def main() -> None:
     worker = ModelWorker(BASE, path, "cpu", "w-bench-interleave")
     torch.set_num_threads(1)
 
-    interleaved_advance = sampling.SampleBatch.advance
-
-    def whole_advance(self: Any) -> bool:
-        while not interleaved_advance(self):
-            pass
-        return True
-
+    two = TwoBatches(worker)
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-    run_mode(worker, "interleaved", args)  # warm-up: allocations, the chat template
+    run_mode(worker, two, "shared", args)  # warm-up: allocations, the chat template
     for _ in range(args.repeats):
         for mode in MODES:
-            sampling.SampleBatch.advance = whole_advance if mode == "whole" else interleaved_advance  # type: ignore[method-assign]
-            results[mode].append(run_mode(worker, mode, args))
-    sampling.SampleBatch.advance = interleaved_advance  # type: ignore[method-assign]
+            two.whole = mode == "whole"
+            worker.step = two.step if mode in ("interleaved", "whole") else two.shared_step  # type: ignore[method-assign]
+            results[mode].append(run_mode(worker, two, mode, args))
+    worker.step = two.shared_step  # type: ignore[method-assign]
 
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in results[mode])
@@ -204,13 +251,18 @@ def main() -> None:
             *rows,
         ]
     )
+
+    def ratio(mode: str, key: str, base: str) -> float:
+        return med(mode, key) / med(base, key)
+
     ratios = (
-        f"Longest gap beside the batch / alone: interleaved "
-        f"{med('interleaved', 'max_gap') / med('chat alone', 'max_gap'):.1f}x, whole "
-        f"{med('whole', 'max_gap') / med('chat alone', 'max_gap'):.1f}x. The sampling batch's wall "
-        f"time beside the stream / alone: interleaved "
-        f"{med('interleaved', 'sampling_wall') / med('sampling alone', 'sampling_wall'):.2f}x, "
-        f"whole {med('whole', 'sampling_wall') / med('sampling alone', 'sampling_wall'):.2f}x."
+        "Longest gap beside the sample request / alone: "
+        + ", ".join(f"{m} {ratio(m, 'max_gap', 'chat alone'):.1f}x" for m in MODES[2:])
+        + ". The sample request's wall time beside the stream / alone: "
+        + ", ".join(f"{m} {ratio(m, 'sampling_wall', 'sampling alone'):.2f}x" for m in MODES[2:])
+        + ". The stream's time to all its tokens beside it / alone: "
+        + ", ".join(f"{m} {ratio(m, 'chat_wall', 'chat alone'):.2f}x" for m in MODES[2:])
+        + "."
     )
     print(table)
     print(ratios)

@@ -38,7 +38,7 @@ Id = Annotated[int, Field(ge=0, le=MAX_ID)]
 Seed = Annotated[int, Field(ge=-(2**63), le=MAX_ID)]
 
 # What one request may ask a model worker to hold. Every sample of every queued request runs
-# in one generation batch of the shared worker, so one request must not be able to exhaust
+# in one decode batch of the shared worker, so one request must not be able to exhaust
 # it: the caps sit well above what the SDK and the cookbook send (RL groups of at most 32,
 # top-k of 20, the SDK's forward/backward chunks of at most 1024 datums and 5 MB) and far
 # below what takes a worker down. PROTOCOL.md lists them.

@@ -56,6 +56,8 @@ class StepToken(NamedTuple):
     topk: list[tuple[int, float]] | None
     finished: bool
     """The row ends with this token (a stop, or max_tokens reached): it has left the batch."""
+    stopped: bool = False
+    """It ended at a stop id or string (EOS included), not at max_tokens."""
 
 
 @dataclass
@@ -285,7 +287,7 @@ class ContinuousBatch:
                 done = any(s in tail for s in row.strings)
             finished = done or len(row.tokens) >= row.max_tokens
             topk = list(zip(top_ids[b][: row.topk], top_lp[b][: row.topk])) if row.topk else None
-            out.append(StepToken(row.ident, token, logprobs[b], topk, finished))
+            out.append(StepToken(row.ident, token, logprobs[b], topk, finished, done))
             if not finished:
                 keep.append(b)
         if not keep:

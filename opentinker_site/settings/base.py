@@ -265,17 +265,12 @@ OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS = read_int(
     "OPENTINKER_TINKER_SESSION_TIMEOUT_SECONDS", 300, minimum=10
 )
 OPENTINKER_TINKER_TORCH_THREADS = read_int("OPENTINKER_TINKER_TORCH_THREADS", 2, minimum=1)
-# The most rows (samples) one generation batch of a model worker takes: the sample requests
-# read beyond it wait for the next turn, so that a queue of large requests cannot build one
-# batch whose KV cache outgrows the device. A request larger than this still runs, alone.
+# The most rows (samples and choices) a model worker's decode batch takes: the Tinker
+# sample and OpenAI-style requests read beyond it wait until rows leave, so that a queue of
+# large requests cannot build a batch whose KV cache outgrows the device. A request larger
+# than this still runs, alone.
 OPENTINKER_TINKER_SAMPLE_BATCH_ROWS = read_int(
     "OPENTINKER_TINKER_SAMPLE_BATCH_ROWS", 1024, minimum=1
-)
-# While a sampling batch (Tinker rollouts) runs beside the chat batch (OpenAI-style streams),
-# the worker runs this many forwards of the sampling batch per decode step of the chat batch:
-# 1 shares the turns evenly; more favours the rollouts, each stream pausing that much longer.
-OPENTINKER_TINKER_SAMPLE_STEPS_PER_CHAT_STEP = read_int(
-    "OPENTINKER_TINKER_SAMPLE_STEPS_PER_CHAT_STEP", 1, minimum=1, maximum=1000
 )
 # A model's requests wait this long on a seq_id that never arrives (a client that spent it
 # and never sent it) before they fail, instead of waiting for the session to end.

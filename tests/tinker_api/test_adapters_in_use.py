@@ -148,9 +148,10 @@ def test_a_request_whose_adapter_is_gone_ends_alone(handler: Any, engine: Any) -
 def test_one_sampling_batch_over_more_checkpoints_than_the_cache_holds(
     handler: Any, engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Tinker sampling batch whose requests name three checkpoint files, the cache holding
-    one: loading the third must not drop the first under the batch."""
+    """Tinker sample requests that name three checkpoint files, the cache holding one,
+    joining the batch together: loading the third must not drop the first under them."""
     from tests.tinker_api.test_openai_worker import BASE
+    from tinker_api.worker.chat import ChatHandler
     from tinker_api.worker.requests import Op
     from tinker_api.worker.sampling import SamplingHandler
 
@@ -169,8 +170,15 @@ def test_one_sampling_batch_over_more_checkpoints_than_the_cache_holds(
         }
         futures.submit(rid, fields, team_id=1, base=BASE)
         ops.append(Op(fields=fields))
-    sampling = SamplingHandler(BASE, engine, handler.policies, handler.samplers)
-    sampling.run(ops)
+    shared = ChatHandler(
+        BASE,
+        engine,
+        handler.policies,
+        handler.samplers,
+        sampling=SamplingHandler(BASE, engine, handler.policies, handler.samplers),
+    )
+    shared.admit(ops)
+    run_worker_loop(shared, handler.samplers, {})
     for op in ops:
         assert futures.get(op.rid)["status"] == futures.DONE, futures.get(op.rid)
     handler.samplers.trim(set())

@@ -1,7 +1,7 @@
-"""A Tinker sampling batch runs a forward per turn of the model worker's loop, so that the
-chat batch (the OpenAI-style streams) keeps decoding beside it instead of stalling until the
-whole batch ends; training waits for the batch, as before, and a session's close read
-meanwhile waits for it too. The batch's tokens are those it gives alone."""
+"""Tinker sample requests decode in the model worker's one continuous batch, beside the
+OpenAI-style streams: one forward a turn serves both, so neither stalls the other; training
+runs between the turns; a session's close waits only for the sample rows that read its
+snapshots. A request's tokens are those it gives alone."""
 
 from __future__ import annotations
 
@@ -82,57 +82,69 @@ def tokens_of(rid: str) -> list[list[int]]:
     return [list(s["tokens"]) for s in json.loads(fut["json"])["sequences"]]
 
 
-def test_the_chat_batch_decodes_while_a_sampling_batch_runs(
-    base_model_dir: Path, settings: Any
-) -> None:
+def run_until_idle(worker: ModelWorker) -> None:
+    while worker.read(0) or worker.step():
+        pass
+
+
+def test_samples_and_streams_decode_in_one_batch(base_model_dir: Path, settings: Any) -> None:
     settings.OPENTINKER_OPENAI_STREAM_INTERVAL_MS = 0
     worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-interleave")
     sample = submit(sample_op())
     worker.read(0)
-    worker.step()  # the batch starts: its prefill
-    assert worker.sampling_batch is not None and not finished(sample)
+    worker.step()  # the request joins the batch: its prefill and first token
+    assert worker.chat.sampling is not None and worker.chat.sampling.busy
     chat = submit(chat_op())
     create = submit({"op": "create", "model": "m-late", "seq": 0, "config": {"rank": 4, "seed": 1}})
     close = submit({"op": "close", "models": ["m-other"]})
-    streamed_meanwhile = 0
-    while not finished(sample):
-        # Training and the close wait for the batch.
-        assert not finished(create) and not finished(close)
-        worker.read(0)
-        worker.step()
-        streamed_meanwhile = streamed_tokens(chat)
-    # The stream went on beside the batch: most of its tokens came before the batch's end.
-    assert streamed_meanwhile >= 12, streamed_meanwhile
-    while worker.read(0) or worker.step():
-        pass
-    assert futures.get(create)["status"] == futures.DONE
-    assert futures.get(close)["status"] == futures.DONE
-    assert futures.get(chat)["status"] == futures.DONE
-
-    # The same request alone on the same worker: the same tokens, seed for seed.
-    again = submit(sample_op())
-    while worker.read(0) or worker.step():
-        pass
-    assert tokens_of(again) == tokens_of(sample)
-    assert futures.queued_samples(BASE) == 0
-
-
-def test_more_forwards_per_chat_step_favour_the_sampling_batch(
-    base_model_dir: Path, settings: Any
-) -> None:
-    settings.OPENTINKER_OPENAI_STREAM_INTERVAL_MS = 0
-    settings.OPENTINKER_TINKER_SAMPLE_STEPS_PER_CHAT_STEP = 4
-    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-favour")
-    sample = submit(sample_op(n=4, max_tokens=24))
-    chat = submit(chat_op())
-    turns = 0
+    turns = 1
     while not finished(sample):
         worker.read(0)
         worker.step()
         turns += 1
-    # 24 forwards of the batch (its prefill and 23 decode steps) in 6 turns, a chat step in each.
-    assert turns == 6
-    assert streamed_tokens(chat) <= 6
-    while worker.read(0) or worker.step():
-        pass
+        assert turns < 60, "the sample request never finished"
+    # One forward a turn for both: 24 tokens took 24 turns, and the stream, which joined a
+    # turn later, had drawn 23 of its own by then and sent what text they spell.
+    assert turns == 24
+    (running,) = worker.chat.runs
+    assert running.choices[0].tokens == 23
+    assert streamed_tokens(chat) >= 12, streamed_tokens(chat)
+    # Training and a close of a model no sample reads did not wait for the samples.
+    assert futures.get(create)["status"] == futures.DONE
+    assert futures.get(close)["status"] == futures.DONE
+    run_until_idle(worker)
     assert futures.get(chat)["status"] == futures.DONE
+
+    # The same request alone on the same worker: the same tokens, seed for seed.
+    again = submit(sample_op())
+    run_until_idle(worker)
+    assert tokens_of(again) == tokens_of(sample)
+    assert futures.queued_samples(BASE) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_session_that_ends_with_samples_out_closes_after_them(
+    base_model_dir: Path, settings: Any
+) -> None:
+    """The close of a model whose snapshot sample rows decode waits for those rows (its
+    client ended the session with a sample in flight); the request is answered, not failed."""
+    worker = ModelWorker(BASE, str(base_model_dir), "cpu", "w-close-after")
+    create = submit({"op": "create", "model": "m", "seq": 0, "config": {"rank": 4, "seed": 1}})
+    run_until_idle(worker)
+    assert futures.get(create)["status"] == futures.DONE
+    policy = worker.policies.get("m")
+    assert policy is not None
+    worker.samplers.keep_snapshot(9001, policy, policy.snapshot())
+    op = sample_op(n=2, max_tokens=12)
+    sample = submit({**op, "target": {"model": "m", "checkpoint": 9001}})
+    worker.read(0)
+    worker.step()
+    close = submit({"op": "close", "models": ["m"]})
+    worker.read(0)
+    while not finished(sample):
+        assert not finished(close)
+        worker.step()
+    assert futures.get(sample)["status"] == futures.DONE, futures.get(sample)
+    worker.step()
+    assert futures.get(close)["status"] == futures.DONE
+    assert worker.policies.get("m") is None

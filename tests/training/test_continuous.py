@@ -146,6 +146,26 @@ def test_it_stops_rows_and_routes_each_to_its_adapter(tiny_model, tiny_tokenizer
     assert got[2] == tuned.tokens[: tuned.tokens.index(stop_at) + 1]
 
 
+def test_a_rows_last_token_says_whether_a_stop_ended_it_as_generate_does(
+    tiny_model, tiny_tokenizer
+):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    alone = _alone(tiny_model, tiny_tokenizer, Row(PROMPTS[0], greedy, stop_on_eos=False))
+    stop_id = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(alone[2],))
+    # A stop id drawn at the last position max_tokens allows is a stop all the same.
+    stop_at_limit = SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=(alone[2],))
+    rows = [Row(PROMPTS[0], p, stop_on_eos=False) for p in (greedy, stop_id, stop_at_limit)]
+    batch = ContinuousBatch(tiny_model, tiny_tokenizer)
+    batch.add(rows)
+    stopped: dict[int, bool] = {}
+    while len(batch):
+        stopped.update((t.row, t.stopped) for t in batch.step() if t.finished)
+    assert stopped == {0: False, 1: True, 2: True}
+    for i, row in enumerate(rows):
+        (seq,) = generate(tiny_model, tiny_tokenizer, [row.prompt], row.params, stop_on_eos=False)
+        assert stopped[i] == (seq.stop_reason == "stop")
+
+
 def test_it_refuses_rows_that_cannot_run(tiny_model, tiny_tokenizer):
     batch = ContinuousBatch(tiny_model, tiny_tokenizer)
     with pytest.raises(ValueError, match="vocabulary"):

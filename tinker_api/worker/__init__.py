@@ -6,8 +6,9 @@ serves every LoRA created on it, reading requests from the Redis stream of its b
 (``server``). Requests of one model run in ``seq_id`` order (``ordering``: a later one waits
 until the gap fills); forward/backward requests that are ready at the same time, across
 models and chunks, run as ONE engine call through the multi-LoRA path, each request keeping
-its own loss and metrics (``handlers``); every pending sample request runs in one
-multi-adapter generation batch (``sampling``, adapters from ``sampler_cache``).
+its own loss and metrics (``handlers``); sample requests decode in the worker's one
+multi-adapter continuous batch beside the OpenAI-style requests (``chat`` steps it,
+``sampling`` turns a request into rows and answers it; adapters from ``sampler_cache``).
 
 Results go to the request's future (``tinker_api.futures``). A worker heartbeats its lease
 and its ``alive`` key; when it dies, polls of the futures it had claimed fail with a clear

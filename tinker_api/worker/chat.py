@@ -4,13 +4,14 @@ Chat requests share one continuous batch (``training.continuous``) across polici
 model and any number of adapters: each row is routed to its own). The worker loop advances it
 one decode step per turn and admits the requests it has read since between two steps, so a
 request that arrives while others decode starts at once, and Tinker requests are read and
-run between steps too. The prompt is rendered here, with the base model's tokenizer and chat
-template, so the web process never loads one. After each step the new text of a streaming
-request goes to its event stream (``tinker_api.events``), its first text at once and then,
-with every other stream's, once per ``OPENTINKER_OPENAI_STREAM_INTERVAL_MS`` (a choice's end
-at once), and the cancel keys of the running requests are read in that round trip: a request
-whose client went away leaves the batch within an interval, and its place in the queue limit
-is freed.
+run between steps too. Tinker sample requests decode in the same batch (the rows of a
+``SamplingHandler``, which answers them): one forward serves both kinds. The prompt is
+rendered here, with the base model's tokenizer and chat template, so the web process never
+loads one. After each step the new text of a streaming request goes to its event stream
+(``tinker_api.events``), its first text at once and then, with every other stream's, once
+per ``OPENTINKER_OPENAI_STREAM_INTERVAL_MS`` (a choice's end at once), and the cancel keys
+of the running requests are read in that round trip: a request whose client went away
+leaves the batch within an interval, and its place in the queue limit is freed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tinker_api.worker.chat_prompts import BadRequest, PromptRenderer
 from tinker_api.worker.meter import Shares, by_rows
 from tinker_api.worker.requests import Op, RequestError, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
+from tinker_api.worker.sampling import SampleRun, SamplingHandler
 from tinker_api.worker.textstream import TextStream
 from tinker_api.worker.token_text import TokenText
 from training.continuous import ContinuousBatch, Row, StepToken
@@ -45,6 +47,10 @@ UNLOADED = (
     "the weights this request samples were unloaded while it ran (their training session "
     "ended or their model was closed)"
 )
+
+
+def _failed(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Stopped(RuntimeError):
@@ -123,8 +129,11 @@ class ChatHandler:
         policies: Mapping[str, Policy],
         samplers: SamplerCache,
         charge: Callable[[Shares, float], None] = lambda _shares, _seconds: None,
+        sampling: SamplingHandler | None = None,
     ) -> None:
         self.base = base
+        # The Tinker sample requests, whose rows share the batch (the base model's handler).
+        self.sampling = sampling
         # Where the time of each prefill (and echo scoring) and decode step goes: to the teams
         # of the requests it ran for (``Meter.charge``).
         self.charge = charge
@@ -150,13 +159,20 @@ class ChatHandler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.runs) or bool(self.waiting)
+        return bool(self.runs) or bool(self.waiting) or self._sampling_busy
+
+    @property
+    def _sampling_busy(self) -> bool:
+        return self.sampling is not None and self.sampling.busy
 
     # ------------------------------------------------------------------ logprobs
 
     def row_teams(self) -> Counter[int | None]:
         """The rows in the batch per team (what a decode step's time is split by)."""
-        return Counter(run.op.team for run, _choice in self.owner.values())
+        teams = Counter(run.op.team for run, _choice in self.owner.values())
+        if self.sampling is not None:
+            teams.update(self.sampling.row_teams())
+        return teams
 
     def _entry(self, step: StepToken, top: int) -> dict[str, Any]:
         alternatives = [(int(t), lp) for t, lp in (step.topk or [])[:top]]
@@ -200,6 +216,9 @@ class ChatHandler:
         futures.complete(run.rid, json_body=json.dumps(outcome).encode())
 
     def refuse(self, op: Op, exc: Exception) -> None:
+        if op.kind == "sample":
+            self._refuse_sample(op, exc)
+            return
         if isinstance(exc, BadRequest):
             event = {
                 "t": "error",
@@ -221,6 +240,19 @@ class ChatHandler:
         events.publish([(op.rid, event)])
         futures.fail(op.rid, str(event["message"]), "user" if event["status"] == 400 else "server")
 
+    def _refuse_sample(self, op: Op, exc: Exception) -> None:
+        """A Tinker sample request's error goes to its future (no event stream reads it)."""
+        futures.samples_answered(self.base, 1)
+        if isinstance(exc, RequestError):
+            futures.fail(op.rid, str(exc), exc.category)
+        elif isinstance(exc, (ValueError, KeyError)):
+            futures.fail(op.rid, str(exc), "user")
+        elif isinstance(exc, Stopped):
+            futures.fail(op.rid, str(exc), "server")
+        else:
+            log.exception("sample request %s failed", op.rid)
+            futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+
     def admit(self, ops: list[Op]) -> None:
         """Put the requests ``ops`` in the batch (or refuse them, each alone)."""
         if len(self.batch) and not self.batch.can_join:
@@ -240,15 +272,15 @@ class ChatHandler:
             self.charge(by_rows(ops), time.perf_counter() - started)
 
     def _admit(self, ops: list[Op]) -> None:
-        gone = events.cancelled(op.rid for op in ops)
-        admitted: list[tuple[Running, list[Row]]] = []
+        gone = events.cancelled(op.rid for op in ops if op.kind != "sample")
+        admitted: list[tuple[Running | SampleRun, list[Row]]] = []
         for op in ops:
             if op.rid in gone:
                 futures.samples_answered(self.base, 1)
                 futures.complete(op.rid, json_body=b'{"cancelled": true}')
                 continue
             try:
-                admitted.append(self._prepare(op))
+                admitted.append(self._prepare(op) if op.kind != "sample" else self._sample(op))
             except Exception as exc:
                 self.refuse(op, exc)
         if not admitted:
@@ -261,8 +293,30 @@ class ChatHandler:
             for run, _rows in admitted:
                 self.refuse(run.op, exc)
             return
-        choices = [(run, c) for run, _rows in admitted for c in run.choices if not c.finished]
-        self.owner.update(zip(idents, choices, strict=True))
+        at = 0
+        for run, run_rows in admitted:
+            mine, at = idents[at : at + len(run_rows)], at + len(run_rows)
+            if isinstance(run, SampleRun):
+                assert self.sampling is not None
+                self.sampling.joined(run, mine)
+            else:
+                live = [c for c in run.choices if not c.finished]
+                self.owner.update(zip(mine, [(run, c) for c in live], strict=True))
+        chats = [(run, rr) for run, rr in admitted if isinstance(run, Running)]
+        self._started(chats)
+
+    def _sample(self, op: Op) -> tuple[SampleRun, list[Row]]:
+        if self.sampling is None:
+            raise RequestError("this model serves no Tinker sample requests")
+        run, rows = self.sampling.prepare(op)
+        for row in rows:
+            self.batch.check(row)
+        if not rows:
+            raise RequestError("num_samples: at least one sample is needed")
+        return run, rows
+
+    def _started(self, admitted: list[tuple[Running, list[Row]]]) -> None:
+        """Announce the chat requests that joined; answer those with nothing to generate."""
         self.runs.extend(run for run, run_rows in admitted if run_rows)
         events.publish([(run.rid, self._start(run)) for run, _ in admitted])
         # Requests with nothing to generate (max_tokens 0) are answered now.
@@ -375,8 +429,14 @@ class ChatHandler:
         # A decode step is its rows', by their rows; requests admitted after it charge their
         # own prefill (``admit``).
         shares, started = self.row_teams(), time.perf_counter()
+        sampled: list[SampleRun] = []
         try:
             steps = self.batch.step()
+            if self.sampling is not None:
+                mine = self.sampling.owner
+                ours = [s for s in steps if s.row in mine]
+                steps = [s for s in steps if s.row not in mine]
+                sampled = self.sampling.on_step(ours)
             drop = self._on_step(steps)
         except Exception as exc:
             log.exception("chat batch failed")
@@ -386,6 +446,14 @@ class ChatHandler:
             self.charge(shares, time.perf_counter() - started)
         if drop:
             self.batch.drop(drop)
+        if sampled:
+            assert self.sampling is not None
+            # Answering (and any prompt scoring) is the finished requests' alone.
+            started = time.perf_counter()
+            try:
+                self.sampling.finish(sampled)
+            finally:
+                self.charge(by_rows(run.op for run in sampled), time.perf_counter() - started)
         self._forget()
         if self.waiting and self.batch.can_join and len(self.batch) < self.max_rows:
             self.admit([])
@@ -406,7 +474,10 @@ class ChatHandler:
             if not run.ended:
                 run.ended = True
                 self.refuse(run.op, RequestError(UNLOADED))
-        self.batch.drop({ident for ident, (run, _c) in self.owner.items() if id(run) in runs})
+        drop = {ident for ident, (run, _c) in self.owner.items() if id(run) in runs}
+        if self.sampling is not None:
+            drop |= self.sampling.fail(self.sampling.runs_of(gone), UNLOADED, "user")
+        self.batch.drop(drop)
         self._forget()
 
     def _forget(self) -> None:
@@ -414,7 +485,7 @@ class ChatHandler:
         self.runs = [run for run in self.runs if not run.ended]
         live = {id(run) for run in self.runs}
         self.owner = {k: v for k, v in self.owner.items() if id(v[0]) in live}
-        if not self.runs and len(self.batch):
+        if not self.runs and not self._sampling_busy and len(self.batch):
             self.batch.drop({row.ident for row in self.batch.rows})
 
     def fail_all(self, exc: Exception | str) -> None:
@@ -428,6 +499,8 @@ class ChatHandler:
         for op in self.waiting:
             self.refuse(op, error)
         self.waiting = []
+        if self.sampling is not None:
+            self.sampling.fail_all(str(error) if isinstance(error, Stopped) else _failed(error))
         self.runs, self.owner = [], {}
         self.batch = ContinuousBatch(self.engine.model, self.engine.tokenizer, self.engine.host)
 

@@ -1,10 +1,13 @@
-"""The sampling requests of the model worker: one generation batch across adapters, and the
-prompt scoring (prompt logprobs, top-k, target logprobs, alternative draws) some ask for."""
+"""The Tinker sample requests of the model worker: their rows (decoded in the shared
+continuous batch), their answers, and the prompt scoring (prompt logprobs, top-k, target
+logprobs, alternative draws) some ask for."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,61 +17,35 @@ from tinker_api import futures, wire
 from tinker_api.worker.datums import prompt_images
 from tinker_api.worker.requests import Op, RequestError
 from tinker_api.worker.sampler_cache import SamplerCache
+from training.continuous import Row, StepToken
 from training.engine import Engine
 from training.policy import Policy
-from training.sampler import generation
 from training.scoring import PromptScoring, score_prompts
-from training.types import SamplingParams
+from training.types import SampledSequence, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-# A request of a batch: its op, its rows, the adapter key they use and its prompt.
-Owner = tuple[Op, list[int], str | None, list[int]]
+@dataclass(eq=False)
+class SampleRun:
+    """A sample request in the shared decode batch: its rows' tokens as they come."""
 
-
-class SampleBatch:
-    """A generation batch in progress: ``advance`` runs its next forward; the worker runs
-    the chat batch's steps between them, so that streams do not stall for a whole batch."""
-
-    def __init__(
-        self,
-        handler: SamplingHandler,
-        owners: list[Owner],
-        op_images: dict[int, tuple[Any, ...]],
-        steps: Generator[None, None, list[Any]],
-    ) -> None:
-        self.handler = handler
-        self.owners = owners
-        self.op_images = op_images
-        self.steps = steps
-        self.ops = [op for op, *_ in owners]
-        self.keys = {key for _op, _rows, key, _prompt in owners if key is not None}
-
-    def advance(self) -> bool:
-        """Run the batch's next forward; True once it has ended (answered or failed)."""
-        try:
-            try:
-                next(self.steps)
-                return False
-            except StopIteration as done:
-                self.handler.finish(self.owners, self.op_images, done.value)
-        except Exception as exc:
-            log.exception("sampling batch failed")
-            self.fail(f"{type(exc).__name__}: {exc}")
-            return True
-        futures.samples_answered(self.handler.base, len(self.ops))
-        return True
-
-    def fail(self, reason: str) -> None:
-        """End every request of the batch not answered yet with ``reason``."""
-        self.steps.close()
-        for op in self.ops:
-            futures.fail(op.rid, reason, "server")
-        futures.samples_answered(self.handler.base, len(self.ops))
+    op: Op
+    key: str | None
+    prompt: list[int]
+    images: tuple[Any, ...]
+    rows: list[SampledSequence]
+    left: int
+    ended: bool = False
 
 
 class SamplingHandler:
+    """The Tinker sample requests of the model worker. Their rows decode in the chat
+    handler's continuous batch (``ChatHandler`` admits them and steps them beside the
+    OpenAI-style requests, one forward for both), so a rollout neither stalls a stream nor
+    waits for one; this handler turns a request into rows and its finished rows into the
+    answer."""
+
     def __init__(
         self, base: str, engine: Engine, policies: Mapping[str, Policy], samplers: SamplerCache
     ) -> None:
@@ -76,100 +53,132 @@ class SamplingHandler:
         self.engine = engine
         self.policies = policies
         self.samplers = samplers
+        # Row id (``StepToken.row``) -> the request and which of its samples it is.
+        self.owner: dict[int, tuple[SampleRun, int]] = {}
 
-    def run(self, ops: list[Op]) -> None:
-        """``ops`` as one batch, run to its end (see ``start``)."""
-        batch = self.start(ops)
-        while batch is not None and not batch.advance():
-            pass
+    @property
+    def busy(self) -> bool:
+        return bool(self.owner)
 
-    def start(self, ops: list[Op]) -> SampleBatch | None:
-        """Every sample request read so far, as one multi-adapter generation batch that
-        ``SampleBatch.advance`` runs a step at a time; a request that cannot run fails alone.
-        None when none can."""
-        rows_prompts: list[list[int]] = []
-        rows_params: list[Any] = []
-        rows_keys: list[str | None] = []
-        rows_index: list[int] = []
-        rows_eos: list[bool] = []
-        rows_topk: list[int] = []
-        rows_images: list[tuple[Any, ...]] = []
-        owners: list[Owner] = []
-        op_images: dict[int, tuple[Any, ...]] = {}
-        for op in ops:
-            f = op.fields
-            try:
-                key = self.samplers.key(f["target"], self.policies)
-                sp = f["params"]
-                params = SamplingParams(
-                    max_tokens=int(sp["max_tokens"]),
-                    temperature=float(sp["temperature"]),
-                    top_p=float(sp["top_p"]),
-                    top_k=max(0, int(sp["top_k"])),
-                    seed=sp.get("seed"),
-                    stop=tuple(sp.get("stop_strings") or ()),
-                    stop_token_ids=tuple(sp.get("stop_ids") or ()),
-                )
-                prompt = [int(t) for t in f["prompt"]]
-                self._check_vocabulary(prompt, f.get("targets"))
-                pictures = prompt_images(f, self.engine)
-            except (RequestError, ValueError, KeyError) as exc:
-                futures.fail(op.rid, str(exc), "user")
-                futures.samples_answered(self.base, 1)
-                continue
-            rows = []
-            for j in range(int(f["n"])):
-                rows.append(len(rows_prompts))
-                rows_prompts.append(prompt)
-                rows_params.append(params)
-                rows_keys.append(key)
-                rows_index.append(j)
-                rows_eos.append(bool(sp.get("stop_on_eos", True)))
-                rows_topk.append(int(sp.get("topk") or 0))
-                rows_images.append(pictures)
-            op_images[id(op)] = pictures
-            owners.append((op, rows, key, prompt))
-        if not owners:
-            return None
-        steps = generation(
-            self.engine.model,
-            self.engine.tokenizer,
-            rows_prompts,
-            rows_params,
-            adapters=rows_keys,
-            host=self.engine.host,
-            sample_indices=rows_index,
-            stop_on_eos=rows_eos,
-            topk_logprobs=rows_topk,
-            images=rows_images if any(rows_images) else None,
+    def row_teams(self) -> Counter[int | None]:
+        return Counter(run.op.team for run, _i in self.owner.values())
+
+    def keys_in_use(self) -> set[str]:
+        return {run.key for run, _i in self.owner.values() if run.key is not None}
+
+    def prepare(self, op: Op) -> tuple[SampleRun, list[Row]]:
+        """The rows of ``op``; RequestError or ValueError for a request that cannot run."""
+        f = op.fields
+        key = self.samplers.key(f["target"], self.policies)
+        sp = f["params"]
+        params = SamplingParams(
+            max_tokens=int(sp["max_tokens"]),
+            temperature=float(sp["temperature"]),
+            top_p=float(sp["top_p"]),
+            top_k=max(0, int(sp["top_k"])),
+            seed=sp.get("seed"),
+            stop=tuple(sp.get("stop_strings") or ()),
+            stop_token_ids=tuple(sp.get("stop_ids") or ()),
         )
-        return SampleBatch(self, owners, op_images, steps)
+        prompt = [int(t) for t in f["prompt"]]
+        self._check_vocabulary(prompt, f.get("targets"))
+        pictures = prompt_images(f, self.engine)
+        n = int(f["n"])
+        rows = [
+            Row(
+                prompt,
+                params,
+                key,
+                sample_index=j,
+                stop_on_eos=bool(sp.get("stop_on_eos", True)),
+                topk=int(sp.get("topk") or 0),
+                images=pictures,
+            )
+            for j in range(n)
+        ]
+        run = SampleRun(
+            op=op,
+            key=key,
+            prompt=prompt,
+            images=pictures,
+            rows=[SampledSequence([], [], "length", [] if row.topk else None) for row in rows],
+            left=n,
+        )
+        return run, rows
 
-    def finish(
-        self, owners: list[Owner], op_images: dict[int, tuple[Any, ...]], seqs: list[Any]
-    ) -> None:
-        """Score the prompts that ask for it and answer every request of a finished batch."""
-        scored = self._score_prompts(owners, op_images)
-        for op, rows, _key, _prompt in owners:
+    def joined(self, run: SampleRun, idents: list[int]) -> None:
+        self.owner.update((ident, (run, j)) for j, ident in enumerate(idents))
+
+    def on_step(self, steps: list[StepToken]) -> list[SampleRun]:
+        """Record the tokens ``steps`` drew for sample rows; the requests they finished."""
+        done: list[SampleRun] = []
+        for step in steps:
+            run, j = self.owner[step.row]
+            seq = run.rows[j]
+            seq.tokens.append(step.token)
+            seq.logprobs.append(step.logprob)
+            if seq.topk_logprobs is not None:
+                seq.topk_logprobs.append(list(step.topk or []))
+            if step.finished:
+                del self.owner[step.row]
+                seq.stop_reason = "stop" if step.stopped else "length"
+                run.left -= 1
+                if not run.left:
+                    done.append(run)
+        return done
+
+    def runs_of(self, idents: set[int]) -> list[SampleRun]:
+        """The requests of the rows ``idents``."""
+        runs = {id(self.owner[i][0]): self.owner[i][0] for i in idents if i in self.owner}
+        return list(runs.values())
+
+    def fail(self, runs: list[SampleRun], reason: str, kind: str) -> set[int]:
+        """End ``runs`` with an error; the rows of theirs the batch must drop."""
+        ended = [run for run in runs if not run.ended]
+        for run in ended:
+            run.ended = True
+            futures.fail(run.op.rid, reason, kind)
+        if ended:
+            futures.samples_answered(self.base, len(ended))
+        rows = {i for i, (run, _j) in self.owner.items() if run.ended}
+        for i in rows:
+            del self.owner[i]
+        return rows
+
+    def fail_all(self, reason: str) -> None:
+        self.fail(self.runs_of(set(self.owner)), reason, "server")
+
+    def finish(self, runs: list[SampleRun]) -> None:
+        """Score the prompts that ask for it and answer the finished requests ``runs``."""
+        try:
+            scored = self._score_prompts(runs)
+        except Exception as exc:
+            log.exception("prompt scoring failed")
+            self.fail(runs, f"{type(exc).__name__}: {exc}", "server")
+            return
+        for run in runs:
+            run.ended = True
+            op, seqs = run.op, run.rows
             if op.fields.get("record"):
                 team = str((futures.get(op.rid) or {}).get("team", ""))
-                for j, i in enumerate(rows):
+                for j, seq in enumerate(seqs):
                     futures.record_stability(
-                        team, f"{op.rid}:{j}", list(seqs[i].tokens), list(seqs[i].logprobs)
+                        team, f"{op.rid}:{j}", list(seq.tokens), list(seq.logprobs)
                     )
             out = [
                 wire.SampledSequenceOut(
-                    tokens=seqs[i].tokens,
-                    stop_reason=seqs[i].stop_reason,
-                    logprobs=seqs[i].logprobs,
-                    topk_logprobs=seqs[i].topk_logprobs,
+                    tokens=seq.tokens,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.logprobs,
+                    topk_logprobs=seq.topk_logprobs,
                 )
-                for i in rows
+                for seq in seqs
             ]
             extra = scored.get(id(op), {})
             proto = wire.encode_sample_response(out, protobuf=True, **extra)
             plain = wire.encode_sample_response(out, protobuf=False, **extra)
             futures.complete(op.rid, json_body=plain.content, proto_body=proto.content)
+        futures.samples_answered(self.base, len(runs))
 
     def _check_vocabulary(self, prompt: list[int], targets: list[list[int]] | None) -> None:
         """Token ids beyond the vocabulary fail their own request, not the whole batch."""
@@ -182,18 +191,14 @@ class SamplingHandler:
                     f"{where}: token id {int(flat.max())} is outside the vocabulary [0, {vocab})"
                 )
 
-    def _score_prompts(
-        self,
-        owners: list[Owner],
-        op_images: dict[int, tuple[Any, ...]],
-    ) -> dict[int, dict[str, Any]]:
+    def _score_prompts(self, runs: list[SampleRun]) -> dict[int, dict[str, Any]]:
         """One forward over the prompts of the requests that ask for prompt logprobs, top-k
         prompt logprobs, target logprobs or alternative draws; per request (by ``id(op)``),
         the keyword arguments of ``wire.encode_sample_response``."""
         wants: list[tuple[Op, wire.PromptTargets | None]] = []
         scorings: list[PromptScoring] = []
-        for op, _rows, key, prompt in owners:
-            f = op.fields
+        for run in runs:
+            op, prompt, f = run.op, run.prompt, run.op.fields
             targets = None
             if f.get("targets") is not None:
                 csr = f.get("targets_csr")
@@ -203,7 +208,7 @@ class SamplingHandler:
                 )
             scoring = PromptScoring(
                 tokens=prompt,
-                adapter=key,
+                adapter=run.key,
                 logprobs=bool(f.get("prompt_logprobs")),
                 topk=int(f.get("topk_prompt") or 0),
                 last_n=f.get("last_n"),
@@ -211,7 +216,7 @@ class SamplingHandler:
                 alt_k=int(f.get("alt_k") or 0),
                 temperature=float(f["params"]["temperature"]),
                 seed=f["params"].get("seed"),
-                images=op_images.get(id(op), ()),
+                images=run.images,
             )
             if scoring.logprobs or scoring.topk or scoring.alt_k or targets is not None:
                 wants.append((op, targets))

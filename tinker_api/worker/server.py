@@ -6,7 +6,6 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -18,12 +17,12 @@ from tinker_api.services import sessions
 from tinker_api.worker.chat import ChatHandler
 from tinker_api.worker.full_models import FullModels, is_full
 from tinker_api.worker.handlers import TrainingHandlers
-from tinker_api.worker.meter import Meter, Shares, by_rows, by_size, each
+from tinker_api.worker.meter import Meter, Shares, by_size, each
 from tinker_api.worker.ordering import SeqOrder
 from tinker_api.worker.policies import Policies
-from tinker_api.worker.requests import Op, fitting
+from tinker_api.worker.requests import Op
 from tinker_api.worker.sampler_cache import SamplerCache
-from tinker_api.worker.sampling import SampleBatch, SamplingHandler
+from tinker_api.worker.sampling import SamplingHandler
 from training.engine import Engine
 from workers import conf, control
 from workers.dispatcher import JOBS_WAITING_KEY
@@ -54,14 +53,6 @@ def yield_seconds() -> int:
 
 def torch_threads() -> int:
     return conf.int_setting("OPENTINKER_TINKER_TORCH_THREADS", minimum=1)
-
-
-def sample_batch_rows() -> int:
-    return conf.int_setting("OPENTINKER_TINKER_SAMPLE_BATCH_ROWS", minimum=1)
-
-
-def sample_steps_per_chat_step() -> int:
-    return conf.int_setting("OPENTINKER_TINKER_SAMPLE_STEPS_PER_CHAT_STEP", minimum=1)
 
 
 def gather_seconds(device: str) -> float:
@@ -115,18 +106,21 @@ class ModelWorker:
         self.training = TrainingHandlers(self.policies, self.samplers)
         self.sampling = SamplingHandler(base, self.engine, self.policies, self.samplers)
         self.meter = Meter(base, gpus)
+        # One continuous batch decodes the OpenAI-style requests and the Tinker samples.
         self.chat = ChatHandler(
-            base, self.engine, self.policies, self.samplers, charge=self.meter.charge
+            base,
+            self.engine,
+            self.policies,
+            self.samplers,
+            charge=self.meter.charge,
+            sampling=self.sampling,
         )
         # Fully fine-tuned policies: whole models of their own, each with its own batch.
         self.full = FullModels(base, self.engine, self.chat, self.meter.charge)
-        self.samples: list[Op] = []
-        # The generation batch in progress, charged to its requests' teams by rows; models
-        # whose sessions end meanwhile are closed after it (it may sample their snapshots):
-        # (models, why, the close request to answer).
-        self.sampling_batch: SampleBatch | None = None
-        self.sampling_shares: Shares = Counter()
+        # Models whose sessions ended while sample rows decode with their snapshots close
+        # once those rows are done: (models, why, the close request to answer).
         self.closes: list[tuple[list[str], str, str | None]] = []
+        # Chat and sample requests read since the last turn (they join the batch in order).
         self.chats: list[Op] = []
         self.gather = gather_seconds(device)
         self.last_activity = time.monotonic()
@@ -227,10 +221,7 @@ class ModelWorker:
             self.data_lost()
 
     def _accept(self, op: Op) -> None:
-        if op.kind == "sample":
-            self.samples.append(op)
-            return
-        if op.kind == "chat":
+        if op.kind in ("sample", "chat"):
             self.chats.append(op)
             return
         if op.kind == "close":
@@ -241,8 +232,9 @@ class ModelWorker:
     def close_models(self, models: list[str], why: str, answer: str | None = None) -> None:
         """The session of these models ended: drop their queued work (a seq_id gap left by
         a failed client-side custom loss ends here too) and free their weights; then answer
-        the close request ``answer``. While a sampling batch runs, after its end."""
-        if self.sampling_batch is not None:
+        the close request ``answer``. While Tinker sample rows decode with a snapshot of
+        one of them, after they are done (a client may end its session with samples out)."""
+        if self._sampling_from(models):
             self.closes.append((models, why, answer))
             return
         for model in models:
@@ -254,6 +246,16 @@ class ModelWorker:
                 self.samplers.forget(policy)
         if answer is not None:
             futures.complete(answer, json_body=b"{}")
+
+    def _sampling_from(self, models: list[str]) -> bool:
+        in_use = self.sampling.keys_in_use()
+        if not in_use:
+            return False
+        for model in models:
+            policy = self.policies.get(model)
+            if policy is not None and any(policy.version_key(v) in in_use for v in policy.versions):
+                return True
+        return False
 
     def reap_sessions(self) -> list[str]:
         """End the sessions of this worker's models that stopped heartbeating (their client
@@ -267,8 +269,8 @@ class ModelWorker:
         return gone
 
     def has_runnable(self) -> bool:
-        busy = self.chat.busy or self.full.busy or self.sampling_batch is not None
-        return bool(self.samples) or bool(self.chats) or busy or self.order.has_runnable()
+        busy = self.chat.busy or self.full.busy
+        return bool(self.chats) or busy or self.order.has_runnable()
 
     # ---------------------------------------------------------------- scheduling
 
@@ -280,9 +282,7 @@ class ModelWorker:
             return
         deadline = time.monotonic() + self.gather
         while (
-            not self.samples
-            and self.sampling_batch is None
-            and not self.chats
+            not self.chats
             and not self.chat.busy
             and not self.full.busy
             and self.order.awaiting_others()
@@ -295,28 +295,12 @@ class ModelWorker:
         """Run what is ready; True if anything ran."""
         progressed = False
         # Between steps no batch is mid-call: what the cache may drop is what no row decodes.
-        in_use = self.chat.adapters_in_use()
-        if self.sampling_batch is not None:
-            in_use |= self.sampling_batch.keys
-        self.samplers.trim(in_use)
-        if self.sampling_batch is None and self.samples:
-            # One generation batch of as many requests as fit its row limit; the rest wait.
-            taken = fitting(self.samples, sample_batch_rows(), at_least_one=True)
-            batch, self.samples = self.samples[:taken], self.samples[taken:]
-            self.meter.count(batch)
-            self.sampling_shares = by_rows(batch)
-            self.sampling_batch = self._charged(self.sampling_shares, self.sampling.start, batch)
-        # A few forwards of it per turn (one by default): the chat batch's steps run between,
-        # and training waits as it waited for the whole batch before.
-        for _ in range(sample_steps_per_chat_step()):
-            if self.sampling_batch is None:
-                break
-            if self._charged(self.sampling_shares, self.sampling_batch.advance):
-                self.sampling_batch = None
-                self._close_deferred()
-            progressed = True
-        # One decode step of the chat batch per turn: what was read since joins it first.
-        # The chat handler charges its prefills and decode steps itself (``self.meter``).
+        self.samplers.trim(self.chat.adapters_in_use())
+        if self.closes:
+            self._close_deferred()
+        # One decode step of the batch per turn: what was read since joins it first, Tinker
+        # samples and OpenAI-style requests alike, so that neither waits for the other. The
+        # chat handler charges its prefills and decode steps itself (``self.meter``).
         if self.chats:
             chats, self.chats = self.chats, []
             self.meter.count(chats)
@@ -334,11 +318,6 @@ class ModelWorker:
             progressed = True
         elif self.full.handlers:
             self.full.step()  # drops the models idle too long
-        if self.sampling_batch is not None:
-            if progressed:
-                self.last_activity = time.monotonic()
-            self.meter.flush()
-            return progressed
         ready = self.order.take_ready()
         for op in ready.singles:
             self._metered([op], each([op]), self.training.run_single, op)
@@ -379,19 +358,14 @@ class ModelWorker:
     def fail_everything(self, reason: str) -> None:
         for op in self.order.queued():
             futures.fail(op.rid, reason)
-        for op in self.samples:
-            futures.fail(op.rid, reason)
-        if self.sampling_batch is not None:
-            self.sampling_batch.fail(reason)
-            self.sampling_batch = None
-        self._close_deferred()
         for op in self.chats:
             futures.fail(op.rid, reason)
-        futures.samples_answered(self.base, len(self.samples) + len(self.chats))
+        futures.samples_answered(self.base, len(self.chats))
         self.chat.fail_all(reason)
+        # No sample row decodes any more: the closes it held back run.
+        self._close_deferred()
         self.full.fail_all(reason)
         self.order.pending.clear()
-        self.samples = []
         self.chats = []
 
     def drain(self, seconds: float) -> None:
@@ -423,8 +397,7 @@ class ModelWorker:
             self.gather_batch()
             if self.step():
                 continue
-            quiet = not self.order.pending and not self.samples and not self.chats
-            quiet = quiet and self.sampling_batch is None
+            quiet = not self.order.pending and not self.chats
             quiet = quiet and not self.chat.busy and not self.full.busy
             quiet_for = time.monotonic() - self.last_activity if quiet else 0.0
             if quiet_for > idle:
