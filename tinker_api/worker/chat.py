@@ -28,7 +28,7 @@ from tinker_api import events, futures
 from tinker_api.serving.toolcalls import TOOL_CALL_OPEN
 from tinker_api.worker.chat_prompts import BadRequest, PromptRenderer
 from tinker_api.worker.meter import Shares, by_rows
-from tinker_api.worker.requests import Op, RequestError, fitting
+from tinker_api.worker.requests import Op, RequestError, fail_request, fitting
 from tinker_api.worker.sampler_cache import SamplerCache
 from tinker_api.worker.sampling import SampleRun, SamplingHandler
 from tinker_api.worker.textstream import TextStream
@@ -47,10 +47,6 @@ UNLOADED = (
     "the weights this request samples were unloaded while it ran (their training session "
     "ended or their model was closed)"
 )
-
-
-def _failed(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class Stopped(RuntimeError):
@@ -243,15 +239,10 @@ class ChatHandler:
     def _refuse_sample(self, op: Op, exc: Exception) -> None:
         """A Tinker sample request's error goes to its future (no event stream reads it)."""
         futures.samples_answered(self.base, 1)
-        if isinstance(exc, RequestError):
-            futures.fail(op.rid, str(exc), exc.category)
-        elif isinstance(exc, (ValueError, KeyError)):
-            futures.fail(op.rid, str(exc), "user")
-        elif isinstance(exc, Stopped):
+        if isinstance(exc, Stopped):
             futures.fail(op.rid, str(exc), "server")
         else:
-            log.exception("sample request %s failed", op.rid)
-            futures.fail(op.rid, f"{type(exc).__name__}: {exc}", "server")
+            fail_request(op, exc, "sample")
 
     def admit(self, ops: list[Op]) -> None:
         """Put the requests ``ops`` in the batch (or refuse them, each alone)."""
@@ -308,9 +299,13 @@ class ChatHandler:
     def _sample(self, op: Op) -> tuple[SampleRun, list[Row]]:
         if self.sampling is None:
             raise RequestError("this model serves no Tinker sample requests")
-        run, rows = self.sampling.prepare(op)
-        for row in rows:
-            self.batch.check(row)
+        try:
+            run, rows = self.sampling.prepare(op)
+            for row in rows:
+                self.batch.check(row)
+        except (ValueError, KeyError) as exc:
+            # A field the web process let through that cannot run here: the caller's error.
+            raise RequestError(str(exc)) from exc
         if not rows:
             raise RequestError("num_samples: at least one sample is needed")
         return run, rows
@@ -500,7 +495,8 @@ class ChatHandler:
             self.refuse(op, error)
         self.waiting = []
         if self.sampling is not None:
-            self.sampling.fail_all(str(error) if isinstance(error, Stopped) else _failed(error))
+            reason = f"{type(error).__name__}: {error}"
+            self.sampling.fail_all(str(error) if isinstance(error, Stopped) else reason)
         self.runs, self.owner = [], {}
         self.batch = ContinuousBatch(self.engine.model, self.engine.tokenizer, self.engine.host)
 
