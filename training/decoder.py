@@ -290,9 +290,17 @@ class _VLState(_HFState):
         self.deltas_B = deltas_B
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: the sign `rotate_half` gives the swapped halves,
+    folded into the table once so that `_rotary` needs no per-layer negation or concatenation."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in three operations: rolling the last dimension by
+    half swaps its halves, and `_signed_sin` carries rotate_half's sign."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 def _rms_norm(norm: _RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -424,7 +432,7 @@ class FusedDecoder:
         state.bias_B_T[:, :length].masked_fill_(~valid_B_L, float("-inf"))
         token_positions = positions_B_L.reshape(-1)[packed_N]
         cos = cos_T_D[token_positions].unsqueeze(1)  # (N, 1, D)
-        sin = sin_T_D[token_positions].unsqueeze(1)
+        sin = _signed_sin(sin_T_D[token_positions].unsqueeze(1))
         causal_L_L = torch.ones((length, length), device=device, dtype=torch.bool).tril()
         # A padded query position sees itself only, which keeps its (unused) output finite.
         mask_B_1_L_L = (causal_L_L & valid_B_L[:, None, :]) | torch.eye(
@@ -452,8 +460,8 @@ class FusedDecoder:
                 q = q.view(tokens, self.num_heads, self.head_dim)
                 k = k.view(tokens, self.num_kv_heads, self.head_dim)
                 v = v.view(tokens, self.num_kv_heads, self.head_dim)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+                q = _rotary(q, cos, sin)
+                k = _rotary(k, cos, sin)
                 state.keys[index, :, :, :length] = to_padded(padded_kv, k)
                 state.values[index, :, :, :length] = to_padded(padded_kv, v)
                 keys = state.keys[index, :, :, :length]
@@ -511,7 +519,7 @@ class FusedDecoder:
         if t >= state.capacity or t >= state.cos_T_D.shape[0]:
             self._make_room(state, x)
         cos = state.cos_T_D[positions_B][:, None, None, :]  # (B, 1, 1, D)
-        sin = state.sin_T_D[positions_B][:, None, None, :]
+        sin = _signed_sin(state.sin_T_D[positions_B][:, None, None, :])
         # Additive mask (0 or -inf) for the B * kv_heads attention rows: (B * kv, group, t+1).
         bias = state.bias_B_T[:, None, None, : t + 1].expand(
             batch, self.num_kv_heads, self.group, t + 1
@@ -525,8 +533,8 @@ class FusedDecoder:
             q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
             k = k.view(batch, self.num_kv_heads, 1, self.head_dim)
             v = v.view(batch, self.num_kv_heads, 1, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = _rotary(q, cos, sin)
+            k = _rotary(k, cos, sin)
             keys, values = state.keys[index], state.values[index]
             keys[:, :, t : t + 1] = k
             values[:, :, t : t + 1] = v
