@@ -371,11 +371,6 @@ def post(http: Any, key: str, path: str, body: dict[str, Any]) -> dict[str, Any]
     return res.json()
 
 
-# The first model of a test may wait on a model worker's start (torch's import and the base
-# model's load): over a minute on a two-core host that runs other test parts beside this one.
-MODEL_START_S = 180
-
-
 def new_live_model(http: Any, key: str) -> tuple[str, str]:
     """A LoRA model of a new session, created by the live worker: the session's id and its."""
     session_id = post(http, key, "create_session", {"sdk_version": "0.38.0"})["session_id"]
@@ -390,7 +385,7 @@ def new_live_model(http: Any, key: str) -> tuple[str, str]:
             "lora_config": {"rank": 4},
         },
     )
-    res = poll(http, key, created["request_id"], timeout=MODEL_START_S)
+    res = poll(http, key, created["request_id"], timeout=180)  # a model worker's start
     assert res.status_code == 200 and res.json()["model_id"] == created["model_id"]
     return session_id, str(created["model_id"])
 
