@@ -34,6 +34,7 @@ ONCE_PATHS = (
     "deploy/test_gpu_check.py",
     "client/test_isolated_install.py",
     "workers/test_verl_compose.py",
+    "workers/test_verl_cpu_platform.py",
     "e2e/test_verl_real.py",
     "e2e/test_data_parallel.py",
     "e2e/test_eval_and_sample.py",

@@ -212,6 +212,10 @@ def trainer_env(ctx: JobContext, ray_tmpdir: Path | None = None) -> dict[str, st
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # Every Ray worker is a process of its own: one torch thread each.
         env["OMP_NUM_THREADS"] = "1"
+        # Ray would start one idle Python worker per logical CPU (ray_cpus: 8 or more) for
+        # the driver; verl's actors ask for workers of their own runtime env, so those sit
+        # unused, each an interpreter's start taken from the two cores.
+        env["RAY_prestart_worker_first_driver"] = "0"
         env.pop("CUDA_VISIBLE_DEVICES", None)
     else:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(ctx)
