@@ -424,13 +424,7 @@ def build_overrides(
         o.update(cpu_overrides(n_gpus))
         if nnodes > 1:
             # The cluster's nodes declare their own resources; ray.init may not, joining it.
-            # The head started without a dashboard (verl_ray.py).
-            for key in (
-                "+ray_kwargs.ray_init.num_gpus",
-                "ray_kwargs.ray_init.num_cpus",
-                "+ray_kwargs.ray_init.include_dashboard",
-            ):
-                del o[key]
+            del o["+ray_kwargs.ray_init.num_gpus"], o["ray_kwargs.ray_init.num_cpus"]
     return [f"{key}={hydra_value(value)}" for key, value in o.items()]
 
 
@@ -547,8 +541,9 @@ def cpu_overrides(n_procs: int) -> dict[str, Any]:
         # verl counts Ray's "GPU" resource: declare one logical GPU per trainer process.
         "+ray_kwargs.ray_init.num_gpus": n_procs,
         "ray_kwargs.ray_init.num_cpus": ray_cpus(n_procs),
-        # Ray's dashboard is a dozen processes polling beside the trainer on the same cores;
-        # nothing of the service reads it (a gang's head starts without it too, verl_ray.py).
+        # Ray's dashboard is ten processes polling beside the trainer on the same cores;
+        # nothing of the service reads it (a gang's head starts without it, verl_ray.py, and
+        # ray.init ignores the flag when it joins a running cluster).
         "+ray_kwargs.ray_init.include_dashboard": False,
         # FSDP1 wants a device for sync_module_states; FSDP2 shards CPU parameters on gloo.
         f"{a}.actor.strategy": "fsdp2",
