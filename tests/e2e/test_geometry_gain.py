@@ -4,8 +4,9 @@ accuracy, through the REST API and a real Celery worker.
 The problems are supplementary angles with the known angle stated in the question as well as
 drawn (`training.geometry`, values in the text): models/tiny-vl answers about three in four
 of them greedily, and sampling finds a right answer for most of the rest, which GRPO turns
-into a better greedy policy within a minute (bench/geometry_rl.py measures longer runs and
-other kinds; docs/benchmarks.md, "Geometry with tiny-vl").
+into a better greedy policy in 40 steps (~90 s on one idle core; several times that beside
+the other shards of `make test`, hence the wait). bench/geometry_rl.py measures longer runs
+and other kinds (docs/benchmarks.md, "Geometry with tiny-vl").
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from jobs.models import JobState
 from tests.e2e.rows import upload_angle_problems
 from tests.e2e.test_managed_training import finished, series, steps_of, submit
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.timeout(960), pytest.mark.django_db(transaction=True)]
 
-STEPS = 60
+STEPS = 40
 
 
 def test_an_rl_job_on_geometry_raises_the_vision_policys_held_out_accuracy(
@@ -47,10 +48,12 @@ def test_an_rl_job_on_geometry_raises_the_vision_policys_held_out_accuracy(
         "checkpoint_every": 0,
     }
     job_id = submit(owner_client, spec, "geometry-gain")
-    job = finished(job_id, 400)
+    job = finished(job_id, 900)
     assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
     accuracy = series(owner_client, job_id)["eval/accuracy"]
     assert steps_of(accuracy) == [0, STEPS]
     (_, before), (_, after) = accuracy
-    # Measured: 0.77 -> 0.92-0.94 in 60 steps (three seeds); 64 problems, so 0.08 is 5 more.
+    # Measured through the API at 40 steps: 0.750 -> 0.891 for this seed (0.859 -> 0.938 and
+    # 0.828 -> 0.953 for seeds 1 and 2: a higher start leaves less room); 64 problems, so
+    # 0.08 is 5 more right answers.
     assert after >= before + 0.08, accuracy
