@@ -21,7 +21,7 @@ from jobs.models import JobState
 from tests.e2e.test_managed_training import finished, rl_spec, series, submit
 from tests.fixtures.workers import env_worker_process
 
-pytestmark = [pytest.mark.timeout(200), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.django_db(transaction=True)]
 
 
 class EnvWorker:
@@ -61,7 +61,7 @@ def test_it_steps_an_rl_jobs_envs_on_an_env_worker_with_the_inline_results(
     for execution in ("inline", "queue"):
         job_spec = {**spec, "rollout": {**spec["rollout"], "env_execution": execution}}
         job_id = submit(owner_client, job_spec, execution)
-        job = finished(job_id, 90)
+        job = finished(job_id, 180)
         assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
         runs[execution] = series(owner_client, job_id)
 

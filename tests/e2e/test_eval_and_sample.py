@@ -21,7 +21,7 @@ from jobs.models import JobKind, JobState
 from tests.e2e.test_managed_training import finished, rl_spec, series, submit
 from tests.tinker_api.conftest import clean_tinker_keys, sdk_worker_env  # noqa: F401
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
 
 
 def submit_eval(client: APIClient, spec: dict[str, Any]) -> str:
@@ -53,7 +53,7 @@ def test_it_evaluates_snapshots_and_samples_from_a_finished_jobs_adapter(
         addition_dataset, steps=2, eval_every=2, eval_examples=8, checkpoint_every=1
     )
     train_id = submit(owner_client, train_spec)
-    assert finished(train_id, 90).state == JobState.SUCCEEDED, worker.log()[-3000:]
+    assert finished(train_id, 180).state == JobState.SUCCEEDED, worker.log()[-3000:]
     trained = series(owner_client, train_id)
 
     # Same dataset, seed, prompt count and rollout length: the same held-out prompts.
@@ -65,7 +65,7 @@ def test_it_evaluates_snapshots_and_samples_from_a_finished_jobs_adapter(
     )
     base_id = submit_eval(owner_client, {**same, "eval": {}})
     for job_id in (final_id, ckpt_id, base_id):
-        job = finished(job_id, 60)
+        job = finished(job_id, 120)
         assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
 
     for eval_id, step in ((final_id, 2), (base_id, 0)):
@@ -135,7 +135,7 @@ def test_it_evaluates_and_samples_a_full_fine_tuning_jobs_model(
     del train_spec["lora"]
     train_spec |= {"full_finetune": True, "optimizer": {"lr": 1e-4}}
     train_id = submit(owner_client, train_spec)
-    assert finished(train_id, 120).state == JobState.SUCCEEDED, worker.log()[-3000:]
+    assert finished(train_id, 240).state == JobState.SUCCEEDED, worker.log()[-3000:]
     trained = series(owner_client, train_id)
     names = {a["name"] for a in owner_client.get(f"/api/v1/jobs/{train_id}/artifacts").json()}
     assert "model" in names and "adapter" not in names
@@ -143,7 +143,7 @@ def test_it_evaluates_and_samples_a_full_fine_tuning_jobs_model(
     same = {k: train_spec[k] for k in ("method", "env", "dataset", "seed", "eval_examples")}
     same["rollout"] = {"max_tokens": train_spec["rollout"]["max_tokens"]}
     eval_id = submit_eval(owner_client, {**same, "eval": {"from_job": train_id}})
-    job = finished(eval_id, 60)
+    job = finished(eval_id, 120)
     assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
     got = series(owner_client, eval_id)
     for name in ("eval/accuracy", "eval/reward", "eval/episodes"):

@@ -17,7 +17,7 @@ from jobs.models import JobEvent, JobState
 from tests.e2e.test_eval_and_sample import download_lines, submit_eval
 from tests.e2e.test_managed_training import finished, rl_spec, series, submit
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.timeout(480), pytest.mark.django_db(transaction=True)]
 
 
 def test_an_rl_job_starts_from_the_weights_of_the_sft_job_it_names(
@@ -39,7 +39,7 @@ def test_an_rl_job_starts_from_the_weights_of_the_sft_job_it_names(
             "checkpoint_every": 1,
         },
     )
-    assert finished(sft, 90).state == JobState.SUCCEEDED, worker.log()[-3000:]
+    assert finished(sft, 180).state == JobState.SUCCEEDED, worker.log()[-3000:]
 
     held_out = {"eval_examples": 8, "rollout": {"max_tokens": 12}}
     from_final = submit(
@@ -63,7 +63,7 @@ def test_an_rl_job_starts_from_the_weights_of_the_sft_job_it_names(
         {**evaluation, **held_out, "eval": {"from_job": sft, "checkpoint": "step-000001"}},
     )
     for job_id in (from_final, from_ckpt, of_final, of_ckpt):
-        job = finished(job_id, 120)
+        job = finished(job_id, 240)
         assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
 
     for trained, evaluated, source in ((from_final, of_final, ""), (from_ckpt, of_ckpt, " (")):

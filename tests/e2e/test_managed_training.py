@@ -21,7 +21,7 @@ from jobs.models import Job, JobEvent, JobMetric, JobState
 from tests.fixtures.workers import TEST_LEASE_SECONDS, wait_for
 from workers.control import reap
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
 
 FINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 
@@ -76,7 +76,7 @@ def test_it_runs_an_rl_job_to_success_and_hands_back_a_peft_adapter(
 ) -> None:
     worker = trainer()
     job_id = submit(owner_client, rl_spec(addition_dataset))
-    job = finished(job_id, 90)
+    job = finished(job_id, 180)
     assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
 
     metrics = series(owner_client, job_id)
@@ -156,7 +156,7 @@ def test_it_runs_an_sft_job_whose_loss_falls(
         "checkpoint_every": 0,
     }
     job_id = submit(owner_client, spec, "sft")
-    job = finished(job_id, 60)
+    job = finished(job_id, 120)
     assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
     loss = series(owner_client, job_id)["loss"]
     assert steps_of(loss) == list(range(1, 9))
@@ -215,7 +215,7 @@ def test_it_resumes_a_killed_workers_job_from_its_last_checkpoint(
     assert Job.objects.get(pk=job_id).attempt == 2
 
     trainer()
-    job = finished(job_id, 60)
+    job = finished(job_id, 120)
     assert job.state == JobState.SUCCEEDED and job.attempt == 2, job.error_message
     # Every step exactly once, whichever attempt wrote it.
     loss = series(owner_client, job_id)["loss"]

@@ -18,7 +18,7 @@ from tests.e2e.test_eval_and_sample import download_lines, submit_eval
 from tests.e2e.test_managed_training import finished, rl_spec, series, submit
 
 pytest.importorskip("textarena")
-pytestmark = [pytest.mark.timeout(180), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.timeout(360), pytest.mark.django_db(transaction=True)]
 
 GAME = {"game": "TicTacToe-v0"}
 
@@ -61,7 +61,7 @@ def test_it_trains_and_evaluates_against_a_frozen_snapshot_of_another_job(
     # weights far enough from the base model's to play other (still illegal) moves.
     spec = rl_spec(addition_dataset, steps=2, checkpoint_every=1, optimizer={"lr": 2e-2})
     first = submit(owner_client, spec)
-    assert finished(first, 90).state == JobState.SUCCEEDED, worker.log()[-3000:]
+    assert finished(first, 180).state == JobState.SUCCEEDED, worker.log()[-3000:]
 
     # Training against job A's final adapter, and against its checkpoint of step 1.
     versus = submit(owner_client, game_spec({"opponent": "snapshot", "opponent_job": first}))
@@ -84,7 +84,7 @@ def test_it_trains_and_evaluates_against_a_frozen_snapshot_of_another_job(
     )
     vs_base = submit_eval(owner_client, eval_spec({"opponent": "snapshot", "model_seat": 1}, first))
     for job_id in (versus, versus_ckpt, selfplay, vs_snapshot, vs_base):
-        job = finished(job_id, 90)
+        job = finished(job_id, 180)
         assert job.state == JobState.SUCCEEDED, (job.error_message, worker.log()[-3000:])
 
     for job_id in (versus, versus_ckpt):
